@@ -1,0 +1,227 @@
+"""The onecard configuration: TOML, validated with pydantic, with overrides.
+
+Precedence, lowest first: built-in defaults < the TOML file < ``ONECARD_*``
+environment variables < ``--set key=value`` options. An override's value is parsed
+as a TOML value (``9000`` is an integer, ``true`` a boolean, ``[1, 2]`` a list);
+anything that is not valid TOML is taken as a string.
+
+Environment variables name a key with ``__`` between its parts, for example
+``ONECARD_SERVICES__DETECT__PORT=9000`` or ``ONECARD_SUPERVISOR__GRACE_S=5``. Only
+variables whose first part is a top-level section (``SUPERVISOR``, ``GPU``,
+``SERVICES``) are overrides, so the variables the supervisor passes to its children
+(``ONECARD_SERVICE_NAME`` ...) never leak back in.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from supervisor.status import DEFAULT_CONTROL_SOCKET
+
+ENV_PREFIX = "ONECARD_"
+SECTIONS = ("supervisor", "gpu", "services")
+SERVICE_NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+APP_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class ConfigError(Exception):
+    """A configuration problem; the message names the file, the key and what was expected."""
+
+    exit_code = 2
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class SupervisorSettings(_Strict):
+    grace_s: float = Field(10.0, gt=0, le=3600, description="SIGTERM to SIGKILL wait")
+    startup_timeout_s: float = Field(300.0, gt=0, description="time for every service to become ready")
+    readiness_period_s: float = Field(0.2, gt=0, le=60, description="/readyz poll period during start-up")
+    liveness_period_s: float = Field(5.0, gt=0, le=3600, description="/healthz probe period once ready")
+    liveness_timeout_s: float = Field(2.0, gt=0, le=600, description="one probe's time limit")
+    liveness_failures: int = Field(3, ge=1, le=1000, description="misses in a row that count as death")
+    health_host: str = Field("0.0.0.0", description="bind address of the probe port")
+    health_port: int = Field(7860, ge=0, le=65535, description="probe port; 0 disables it")
+    control_socket: str = Field(DEFAULT_CONTROL_SOCKET, description="unix socket for `onecard status`")
+    log_format: Literal["text", "json"] = "text"
+
+
+class GpuSettings(_Strict):
+    visible_devices: str = Field("0", description="CUDA_VISIBLE_DEVICES given to every service")
+    mps: bool = Field(False, description="run services under the NVIDIA MPS control daemon")
+
+
+class ServiceSettings(_Strict):
+    app: str | None = Field(None, description="ASGI app factory, 'module:function'")
+    command: list[str] | None = Field(None, description="full command line instead of app")
+    host: str = "127.0.0.1"
+    port: int = Field(..., ge=1, le=65535)
+    threads: int | Literal["auto"] = Field("auto", description="CPU threads for the service's libraries")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment variables")
+    settings: dict[str, Any] = Field(default_factory=dict, description="the service's own section")
+    enabled: bool = True
+
+    @field_validator("app")
+    @classmethod
+    def _app_shape(cls, v: str | None) -> str | None:
+        if v is not None and not APP_RE.match(v):
+            raise ValueError("expected 'package.module:factory'")
+        return v
+
+    @field_validator("command")
+    @classmethod
+    def _command_shape(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (not v or not v[0]):
+            raise ValueError("expected a non-empty list of arguments")
+        return v
+
+    @field_validator("threads")
+    @classmethod
+    def _threads_positive(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("expected a whole number >= 1 or \"auto\"")
+        return v
+
+    @model_validator(mode="after")
+    def _one_launcher(self) -> "ServiceSettings":
+        if (self.app is None) == (self.command is None):
+            raise ValueError("set exactly one of 'app' and 'command'")
+        return self
+
+
+class Config(_Strict):
+    supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings)
+    gpu: GpuSettings = Field(default_factory=GpuSettings)
+    services: dict[str, ServiceSettings] = Field(default_factory=dict)
+
+    @field_validator("services")
+    @classmethod
+    def _names(cls, v: dict[str, ServiceSettings]) -> dict[str, ServiceSettings]:
+        for name in v:
+            if not SERVICE_NAME_RE.match(name):
+                raise ValueError(f"service name {name!r}: expected lower-case letters, digits, '-' or '_'")
+        return v
+
+    def enabled_services(self) -> dict[str, ServiceSettings]:
+        return {n: s for n, s in self.services.items() if s.enabled}
+
+
+def parse_value(text: str) -> Any:
+    """An override's value as TOML would read it, else the plain string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_path(tree: dict[str, Any], dotted: list[str], value: Any, origin: str) -> None:
+    node = tree
+    for part in dotted[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{origin}: {'.'.join(dotted)}: {part!r} is a value, not a table")
+        node = child
+    node[dotted[-1]] = value
+
+
+def _overrides_from_env(environ: Mapping[str, str]) -> list[tuple[str, str, str]]:
+    found = []
+    for var, text in sorted(environ.items()):
+        if not var.startswith(ENV_PREFIX):
+            continue
+        parts = var[len(ENV_PREFIX):].lower().split("__")
+        if len(parts) < 2 or parts[0] not in SECTIONS or not all(parts):
+            continue
+        found.append((".".join(parts), text, f"environment variable {var}"))
+    return found
+
+
+def _overrides_from_set(items: list[str]) -> list[tuple[str, str, str]]:
+    found = []
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key or not all(key.split(".")):
+            raise ConfigError(f"--set {item!r}: expected key.path=value")
+        found.append((key, text.strip(), f"--set {key}"))
+    return found
+
+
+def _describe(err: dict[str, Any]) -> str:
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        return "unknown key"
+    if err["type"] == "missing":
+        return "required key is missing"
+    value = err.get("input")
+    if not isinstance(value, (dict, list)):
+        msg = f"{msg}, got {value!r}"
+    return msg
+
+
+def load_config(
+    path: str | Path | None,
+    sets: list[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Read, merge and validate; every problem found is raised as one ConfigError."""
+    environ = os.environ if environ is None else environ
+    label = str(path) if path is not None else "<defaults>"
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"{label}: no such file") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{label}: cannot read: {exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{label}: not valid TOML: {exc}") from None
+
+    origins: dict[str, str] = {}
+    for key, text, origin in _overrides_from_env(environ) + _overrides_from_set(sets or []):
+        _set_path(raw, key.split("."), parse_value(text), origin)
+        origins[key] = origin
+
+    try:
+        config = Config.model_validate(raw)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            where = origins.get(key, label)
+            lines.append(f"{where}: {key}: {_describe(err)}")
+        raise ConfigError("\n".join(lines)) from None
+
+    problems = semantic_problems(config)
+    if problems:
+        raise ConfigError("\n".join(f"{label}: {p}" for p in problems))
+    return config
+
+
+def semantic_problems(config: Config) -> list[str]:
+    """Rules across keys that pydantic's per-field checks cannot see."""
+    problems = []
+    seen: dict[int, str] = {}
+    if config.supervisor.health_port:
+        seen[config.supervisor.health_port] = "supervisor.health_port"
+    for name, svc in config.enabled_services().items():
+        key = f"services.{name}.port"
+        if svc.port in seen:
+            problems.append(f"{key}: port {svc.port} is already used by {seen[svc.port]}")
+        else:
+            seen[svc.port] = key
+        for skey, value in svc.settings.items():
+            if skey.endswith(("_path", "_dir")) and isinstance(value, str) and value:
+                if not Path(value).exists():
+                    problems.append(f"services.{name}.settings.{skey}: no such file or directory: {value}")
+    if not config.enabled_services():
+        problems.append("services: expected at least one enabled service")
+    return problems

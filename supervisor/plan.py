@@ -1,0 +1,92 @@
+"""From a validated Config to what will be started: command lines, environments, threads.
+
+Pure: the same config, quota and base environment give the same plan, so `onecard
+check` prints exactly what `onecard run` would start.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from supervisor.config import Config, ConfigError
+from supervisor.cpuquota import CpuQuota
+
+# Variables that size thread pools in numpy/torch/onnxruntime/OpenCV builds.
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+# Variables a child must not inherit from the supervisor's own environment.
+_DROP_PREFIXES = ("ONECARD_",)
+
+
+@dataclass(frozen=True)
+class ServicePlan:
+    name: str
+    host: str
+    port: int
+    argv: list[str]
+    env: dict[str, str]       # the child's full environment
+    env_own: dict[str, str]   # the part the supervisor set (shown by `check`)
+    threads: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    services: list[ServicePlan]
+    quota: CpuQuota
+    warnings: list[str] = field(default_factory=list)
+
+
+def plan_threads(config: Config, quota: CpuQuota) -> tuple[dict[str, int], list[str]]:
+    """Threads per service from the quota; impossible plans are errors, tight ones warnings."""
+    services = config.enabled_services()
+    budget = quota.whole_cpus
+    fixed = {n: s.threads for n, s in services.items() if isinstance(s.threads, int)}
+    auto = [n for n, s in services.items() if s.threads == "auto"]
+    problems = [
+        f"services.{n}.threads: {t} threads but only {quota.cpus:g} CPUs are usable ({quota.source})"
+        for n, t in fixed.items() if t > budget
+    ]
+    if problems:
+        raise ConfigError("\n".join(problems))
+    left = budget - sum(fixed.values())
+    share = max(1, left // len(auto)) if auto else 0
+    threads = {**fixed, **{n: share for n in auto}}
+    warnings = []
+    total = sum(threads.values())
+    if total > quota.cpus + 1e-9:
+        warnings.append(
+            f"CPU quota: services want {total} threads but only {quota.cpus:g} CPUs are usable "
+            f"({quota.source}); expect throttling"
+        )
+    return {n: threads[n] for n in services}, warnings
+
+
+def build_plan(config: Config, quota: CpuQuota, base_env: Mapping[str, str],
+               config_path: str | None = None) -> Plan:
+    threads, warnings = plan_threads(config, quota)
+    plans = []
+    for name, svc in config.enabled_services().items():
+        if svc.command is not None:
+            argv = list(svc.command)
+        else:
+            argv = [sys.executable, "-m", "services.runtime.serve"]
+        own = {
+            "ONECARD_SERVICE_NAME": name,
+            "ONECARD_SERVICE_HOST": svc.host,
+            "ONECARD_SERVICE_PORT": str(svc.port),
+            "ONECARD_SERVICE_THREADS": str(threads[name]),
+            "ONECARD_SERVICE_CONFIG": json.dumps(svc.settings, sort_keys=True),
+            "ONECARD_GRACE_S": f"{config.supervisor.grace_s:g}",
+            "CUDA_VISIBLE_DEVICES": config.gpu.visible_devices,
+            "PYTHONUNBUFFERED": "1",
+            **{var: str(threads[name]) for var in THREAD_VARS},
+        }
+        if svc.app is not None:
+            own["ONECARD_SERVICE_APP"] = svc.app
+        own.update(svc.env)
+        env = {k: v for k, v in base_env.items() if not k.startswith(_DROP_PREFIXES)}
+        env.update(own)
+        plans.append(ServicePlan(name, svc.host, svc.port, argv, env, own, threads[name]))
+    return Plan(plans, quota, warnings)

@@ -1,0 +1,184 @@
+"""What the supervisor tells: the status document (`onecard status --json`) and /metrics.
+
+The status document's keys are stable (version 1) and documented in the README.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+from supervisor.child import ChildProcess, State
+from supervisor.probe import ProbeResult
+
+if TYPE_CHECKING:
+    from supervisor.unit import Supervisor
+
+STATUS_VERSION = 1
+# Figures a service may report on GET /stats; anything else it sends is ignored.
+STAT_KEYS = ("queue_depth", "in_flight", "served", "errors", "latency_p50_ms", "latency_p99_ms",
+             "gpu_memory_bytes")
+
+_cpu_marks: dict[int, tuple[float, float]] = {}
+
+
+def _tree_times(pid: int) -> tuple[float, int] | None:
+    """CPU seconds and RSS of a process and everything below it."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.Error:
+        return None
+    cpu, rss = 0.0, 0
+    for p in procs:
+        try:
+            with p.oneshot():
+                t = p.cpu_times()
+                cpu += t.user + t.system
+                rss += p.memory_info().rss
+        except psutil.Error:
+            continue
+    return cpu, rss
+
+
+def _cpu_percent(pid: int, cpu_seconds: float) -> float | None:
+    """CPU % of one core since the previous sample of this pid."""
+    now = time.monotonic()
+    prev = _cpu_marks.get(pid)
+    _cpu_marks[pid] = (now, cpu_seconds)
+    if prev is None or now - prev[0] < 0.05:
+        return None
+    return round(100.0 * (cpu_seconds - prev[1]) / (now - prev[0]), 1)
+
+
+def sample_resources(child: ChildProcess) -> None:
+    if not child.alive or child.pid is None:
+        return
+    got = _tree_times(child.pid)
+    if got is None:
+        return
+    child.cpu_seconds, child.rss_bytes = got
+    pct = _cpu_percent(child.pid, child.cpu_seconds)
+    if pct is not None:
+        child.cpu_percent = pct
+
+
+def absorb_stats(child: ChildProcess, result: ProbeResult) -> None:
+    if not result.ok:
+        return
+    try:
+        doc = json.loads(result.body)
+    except ValueError:
+        return
+    if isinstance(doc, dict):
+        child.stats = {k: doc[k] for k in STAT_KEYS if isinstance(doc.get(k), (int, float))}
+
+
+def _service(child: ChildProcess, now: float) -> dict[str, Any]:
+    up = child.uptime(now)
+    return {
+        "name": child.name,
+        "pid": child.pid,
+        "host": child.plan.host,
+        "port": child.plan.port,
+        "state": child.state.value,
+        "ready": child.state == State.READY,
+        "uptime_s": None if up is None else round(up, 1),
+        "exit_code": child.exit_code,
+        "threads": child.plan.threads,
+        "liveness_misses": child.liveness_misses,
+        "last_probe_error": child.last_probe_error or None,
+        "cpu_percent": child.cpu_percent,
+        "cpu_seconds": None if child.cpu_seconds is None else round(child.cpu_seconds, 2),
+        "rss_bytes": child.rss_bytes,
+        "gpu_memory_bytes": child.stats.get("gpu_memory_bytes"),
+        "gpu_memory_source": "service" if "gpu_memory_bytes" in child.stats else None,
+        "queue_depth": child.stats.get("queue_depth"),
+        "in_flight": child.stats.get("in_flight"),
+        "served": child.stats.get("served"),
+        "errors": child.stats.get("errors"),
+        "latency_p50_ms": child.stats.get("latency_p50_ms"),
+        "latency_p99_ms": child.stats.get("latency_p99_ms"),
+    }
+
+
+def snapshot(sup: "Supervisor") -> dict[str, Any]:
+    now = sup.os.monotonic()
+    for child in sup.children:
+        sample_resources(child)
+    me = _tree_times(os.getpid())
+    own = psutil.Process()
+    q = sup.plan.quota
+    return {
+        "version": STATUS_VERSION,
+        "supervisor": {
+            "pid": os.getpid(),
+            "state": "stopping" if sup.stopping else ("running" if sup.all_ready_at else "starting"),
+            "uptime_s": round(now - sup.started_at, 1),
+            "all_ready": all_ready(sup),
+            "stop_reason": sup.stop_reason or None,
+            "cpu_percent": _cpu_percent(-1, sum(own.cpu_times()[:2])),
+            "rss_bytes": own.memory_info().rss,
+            "orphans_reaped": sup.orphans_reaped,
+            "tree_rss_bytes": me[1] if me else None,
+        },
+        "cpu": {"cpus": q.cpus, "source": q.source, "affinity": q.affinity, "quota": q.quota},
+        "gpu": {"available": False, "reason": "GPU facts are not collected yet"},
+        "services": [_service(c, now) for c in sup.children],
+    }
+
+
+def all_ready(sup: "Supervisor") -> bool:
+    return not sup.stopping and all(c.state == State.READY for c in sup.children)
+
+
+def not_ready(sup: "Supervisor") -> list[str]:
+    return [f"{c.name} ({c.state.value})" for c in sup.children if c.state != State.READY]
+
+
+def _esc(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def metrics_text(sup: "Supervisor") -> str:
+    """Prometheus text exposition: per-service up, state, exits, CPU seconds, RSS."""
+    for child in sup.children:
+        sample_resources(child)
+    out = [
+        "# HELP onecard_service_up 1 while the service process is alive.",
+        "# TYPE onecard_service_up gauge",
+    ]
+    for c in sup.children:
+        out.append(f'onecard_service_up{{service="{_esc(c.name)}"}} {1 if c.alive else 0}')
+    out += ["# HELP onecard_service_state 1 for the state the service is in.",
+            "# TYPE onecard_service_state gauge"]
+    for c in sup.children:
+        for st in State:
+            out.append(f'onecard_service_state{{service="{_esc(c.name)}",state="{st.value}"}} '
+                       f'{1 if c.state == st else 0}')
+    out += ["# HELP onecard_service_exits_total Exits of the service process seen by the supervisor.",
+            "# TYPE onecard_service_exits_total counter"]
+    for c in sup.children:
+        out.append(f'onecard_service_exits_total{{service="{_esc(c.name)}"}} {1 if c.exit_code is not None else 0}')
+    out += ["# HELP onecard_service_cpu_seconds_total CPU time of the service's process tree.",
+            "# TYPE onecard_service_cpu_seconds_total counter"]
+    for c in sup.children:
+        if c.cpu_seconds is not None:
+            out.append(f'onecard_service_cpu_seconds_total{{service="{_esc(c.name)}"}} {c.cpu_seconds:.3f}')
+    out += ["# HELP onecard_service_rss_bytes Resident memory of the service's process tree.",
+            "# TYPE onecard_service_rss_bytes gauge"]
+    for c in sup.children:
+        if c.rss_bytes is not None:
+            out.append(f'onecard_service_rss_bytes{{service="{_esc(c.name)}"}} {c.rss_bytes}')
+    out += ["# HELP onecard_service_liveness_misses Liveness probes missed in a row.",
+            "# TYPE onecard_service_liveness_misses gauge"]
+    for c in sup.children:
+        out.append(f'onecard_service_liveness_misses{{service="{_esc(c.name)}"}} {c.liveness_misses}')
+    out += ["# HELP onecard_ready 1 when every service is ready.",
+            "# TYPE onecard_ready gauge",
+            f"onecard_ready {1 if all_ready(sup) else 0}"]
+    return "\n".join(out) + "\n"

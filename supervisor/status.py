@@ -1,0 +1,148 @@
+"""`onecard status`: ask the running supervisor over its control socket and show the answer.
+
+Imports nothing heavy (no pydantic, no ML library) so that it answers in well under
+half a second and can serve as an exec probe. Exit codes: 0 every service ready,
+1 not all ready, 2 no supervisor reachable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+DEFAULT_CONTROL_SOCKET = f"/tmp/onecard-{os.getuid()}/control.sock"
+EXIT_READY, EXIT_NOT_READY, EXIT_UNREACHABLE = 0, 1, 2
+
+
+class Unreachable(Exception):
+    pass
+
+
+def socket_path(explicit: str | None, config_path: str | None) -> str:
+    if explicit:
+        return explicit
+    if os.environ.get("ONECARD_CONTROL_SOCKET"):
+        return os.environ["ONECARD_CONTROL_SOCKET"]
+    if os.environ.get("ONECARD_SUPERVISOR__CONTROL_SOCKET"):
+        return os.environ["ONECARD_SUPERVISOR__CONTROL_SOCKET"]
+    if config_path:
+        import tomllib
+        try:
+            with open(config_path, "rb") as fh:
+                doc = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise Unreachable(f"{config_path}: cannot read: {exc}") from None
+        found = doc.get("supervisor", {}).get("control_socket")
+        if isinstance(found, str):
+            return found
+    return DEFAULT_CONTROL_SOCKET
+
+
+def fetch(path: str, timeout: float = 2.0) -> dict[str, Any]:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(path)
+        s.sendall(b"status\n")
+        chunks = []
+        while True:
+            data = s.recv(65536)
+            if not data:
+                break
+            chunks.append(data)
+    except FileNotFoundError:
+        raise Unreachable(f"no onecard supervisor: {path} does not exist") from None
+    except (ConnectionRefusedError, PermissionError, socket.timeout, OSError) as exc:
+        raise Unreachable(f"no onecard supervisor answers on {path}: {exc}") from None
+    finally:
+        s.close()
+    try:
+        return json.loads(b"".join(chunks))
+    except ValueError:
+        raise Unreachable(f"garbled answer on {path}") from None
+
+
+def _mib(v: Any) -> str:
+    return "-" if v is None else f"{v / 2**20:.0f}M"
+
+
+def _num(v: Any, fmt: str = "{:g}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _dur(v: Any) -> str:
+    if v is None:
+        return "-"
+    v = int(v)
+    if v < 120:
+        return f"{v}s"
+    if v < 7200:
+        return f"{v // 60}m{v % 60:02d}s"
+    return f"{v // 3600}h{(v % 3600) // 60:02d}m"
+
+
+COLUMNS = ("SERVICE", "PID", "PORT", "STATE", "UPTIME", "CPU%", "RSS", "GPU MEM",
+           "QUEUE", "INFLIGHT", "SERVED", "P50 MS", "P99 MS")
+
+
+def render_table(doc: dict[str, Any]) -> str:
+    rows = []
+    for s in doc.get("services", []):
+        rows.append((
+            s["name"], _num(s["pid"], "{}"), str(s["port"]), s["state"], _dur(s["uptime_s"]),
+            _num(s["cpu_percent"], "{:.1f}"), _mib(s["rss_bytes"]), _mib(s["gpu_memory_bytes"]),
+            _num(s["queue_depth"], "{}"), _num(s["in_flight"], "{}"), _num(s["served"], "{}"),
+            _num(s["latency_p50_ms"], "{:.1f}"), _num(s["latency_p99_ms"], "{:.1f}"),
+        ))
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(COLUMNS)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)).rstrip()]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    sup = doc.get("supervisor", {})
+    cpu = doc.get("cpu", {})
+    gpu = doc.get("gpu", {})
+    lines.append("")
+    lines.append(f"supervisor pid {sup.get('pid')}  {sup.get('state')}  up {_dur(sup.get('uptime_s'))}  "
+                 f"rss {_mib(sup.get('rss_bytes'))}"
+                 + (f"  stopping: {sup['stop_reason']}" if sup.get("stop_reason") else ""))
+    quota = cpu.get("quota")
+    lines.append(f"cpu  {cpu.get('cpus', 0):g} usable ({cpu.get('source')}; affinity {cpu.get('affinity')}, "
+                 f"quota {'none' if quota is None else f'{quota:g}'})")
+    if gpu.get("available"):
+        lines.append(f"gpu  {gpu.get('name')}  {_mib(gpu.get('memory_used_bytes'))} / "
+                     f"{_mib(gpu.get('memory_total_bytes'))}")
+    else:
+        lines.append(f"gpu  none ({gpu.get('reason', 'no GPU')})")
+    return "\n".join(lines)
+
+
+def exit_code_for(doc: dict[str, Any]) -> int:
+    return EXIT_READY if doc.get("supervisor", {}).get("all_ready") else EXIT_NOT_READY
+
+
+def main(socket_arg: str | None, config_path: str | None, as_json: bool, watch: bool,
+         interval: float) -> int:
+    try:
+        path = socket_path(socket_arg, config_path)
+    except Unreachable as exc:
+        print(f"onecard status: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    while True:
+        try:
+            doc = fetch(path)
+        except Unreachable as exc:
+            print(f"onecard status: {exc}", file=sys.stderr)
+            return EXIT_UNREACHABLE
+        text = json.dumps(doc, indent=None if watch else 2) if as_json else render_table(doc)
+        if not watch:
+            print(text)
+            return exit_code_for(doc)
+        sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + path + "\n\n" + text + "\n")
+        sys.stdout.flush()
+        try:
+            time.sleep(interval)
+        except KeyboardInterrupt:
+            return exit_code_for(doc)
