@@ -1,0 +1,200 @@
+"""Run a real `onecard run` in a subprocess and clean up everything it started.
+
+Every process the test starts is stopped by the test, even when it fails: the
+supervisor runs in its own session, its whole tree is recorded while it runs, and
+`stop()` kills whatever of it is left and reaps it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+FAKE_APP = "tests.children.fake_app:create_app"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    raise TypeError(v)
+
+
+def write_config(path: Path, supervisor: dict, services: dict[str, dict]) -> Path:
+    lines = ["[supervisor]"] + [f"{k} = {toml_value(v)}" for k, v in supervisor.items()]
+    for name, svc in services.items():
+        lines.append(f"\n[services.{name}]")
+        settings = svc.get("settings", {})
+        env = svc.get("env", {})
+        for k, v in svc.items():
+            if k not in ("settings", "env"):
+                lines.append(f"{k} = {toml_value(v)}")
+        lines.append(f"\n[services.{name}.env]")
+        for k, v in env.items():
+            lines.append(f"{k} = {toml_value(v)}")
+        lines.append(f"\n[services.{name}.settings]")
+        for k, v in settings.items():
+            lines.append(f"{k} = {toml_value(v)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def fake_service(port: int | None = None, **settings: Any) -> dict:
+    return {"app": FAKE_APP, "port": port or free_port(), "threads": 1,
+            "env": {"PYTHONPATH": str(ROOT)}, "settings": settings}
+
+
+class SupervisorRun:
+    def __init__(self, tmp: Path, services: dict[str, dict], extra_args: list[str] | None = None,
+                 **supervisor: Any):
+        self.tmp = tmp
+        self.socket = str(tmp / "ctl" / "control.sock")
+        self.health_port = supervisor.pop("health_port", None) or free_port()
+        sup = {"grace_s": 5.0, "startup_timeout_s": 30.0, "liveness_period_s": 0.5,
+               "liveness_timeout_s": 1.0, "liveness_failures": 3, "health_host": "127.0.0.1",
+               "health_port": self.health_port, "control_socket": self.socket}
+        sup.update(supervisor)
+        self.services = services
+        self.config = write_config(tmp / "onecard.toml", sup, services)
+        self.log_path = tmp / "supervisor.log"
+        self.extra_args = extra_args or []
+        self.proc: subprocess.Popen | None = None
+        self.seen: dict[int, psutil.Process] = {}
+        self.returncode: int | None = None
+
+    def start(self) -> "SupervisorRun":
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor", "run", "--config", str(self.config), *self.extra_args],
+            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        self.seen[self.proc.pid] = psutil.Process(self.proc.pid)
+        return self
+
+    def __enter__(self) -> "SupervisorRun":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # ---- observation ------------------------------------------------------------------
+    def record_tree(self) -> None:
+        try:
+            for p in psutil.Process(self.proc.pid).children(recursive=True):
+                self.seen.setdefault(p.pid, p)
+        except psutil.Error:
+            pass
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def status(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "supervisor", "status", "--socket", self.socket, *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=30)
+
+    def status_doc(self) -> dict:
+        r = self.status("--json")
+        assert r.returncode in (0, 1), r.stderr
+        return json.loads(r.stdout)
+
+    def child_pid(self, name: str) -> int:
+        return next(s["pid"] for s in self.status_doc()["services"] if s["name"] == name)
+
+    def wait_ready(self, timeout: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"supervisor exited {self.proc.returncode}:\n{self.output()}")
+            r = self.status("--json")
+            if r.returncode == 0:
+                self.record_tree()
+                return json.loads(r.stdout)
+            last = r
+            time.sleep(0.1)
+        raise AssertionError(f"not ready in {timeout} s: {last and last.stdout}\n{self.output()}")
+
+    def wait_exit(self, timeout: float) -> int:
+        self.returncode = self.proc.wait(timeout=timeout)
+        return self.returncode
+
+    def signal(self, sig: int) -> None:
+        self.record_tree()
+        self.proc.send_signal(sig)
+
+    # ---- cleanup ----------------------------------------------------------------------
+    def leftovers(self) -> list[psutil.Process]:
+        """Processes of this run that still exist (orphans), zombies included."""
+        out = []
+        for pid, p in self.seen.items():
+            if pid == self.proc.pid:
+                continue
+            if p.is_running():  # true for zombies too: a zombie is a leftover
+                out.append(p)
+        return out
+
+    def wait_no_leftovers(self, timeout: float = 3.0) -> list[psutil.Process]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            left = self.leftovers()
+            if not left:
+                return []
+            time.sleep(0.05)
+        return self.leftovers()
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.record_tree()
+        for p in list(self.seen.values()):
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        for p in list(self.seen.values()):
+            try:
+                p.wait(timeout=2)
+            except (psutil.Error, subprocess.TimeoutExpired):
+                pass
+        self._log.close()
+
+
+def http_get(port: int, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
+    import http.client
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        c.request("GET", path)
+        r = c.getresponse()
+        return r.status, r.read()
+    finally:
+        c.close()
