@@ -67,7 +67,7 @@ def fake_service(port: int | None = None, **settings: Any) -> dict:
 
 class SupervisorRun:
     def __init__(self, tmp: Path, services: dict[str, dict], extra_args: list[str] | None = None,
-                 **supervisor: Any):
+                 prefix: list[str] | None = None, **supervisor: Any):
         self.tmp = tmp
         self.socket = str(tmp / "ctl" / "control.sock")
         self.health_port = supervisor.pop("health_port", None) or free_port()
@@ -79,6 +79,7 @@ class SupervisorRun:
         self.config = write_config(tmp / "onecard.toml", sup, services)
         self.log_path = tmp / "supervisor.log"
         self.extra_args = extra_args or []
+        self.prefix = prefix or []
         self.proc: subprocess.Popen | None = None
         self.seen: dict[int, psutil.Process] = {}
         self.returncode: int | None = None
@@ -86,7 +87,7 @@ class SupervisorRun:
     def start(self) -> "SupervisorRun":
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor", "run", "--config", str(self.config), *self.extra_args],
+            [*self.prefix, sys.executable, "-m", "supervisor", "run", "--config", str(self.config), *self.extra_args],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
         )

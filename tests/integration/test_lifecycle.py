@@ -185,3 +185,32 @@ def test_spawn_failure_exits_127(tmp_path):
         assert run.wait_exit(15) == 127
         assert "missing: cannot start '/nonexistent/onecard-child'" in run.output()
         _assert_clean(run)
+
+
+def _can_unshare_pid() -> bool:
+    import shutil
+    import subprocess
+    if not shutil.which("unshare"):
+        return False
+    r = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True)
+    return r.returncode == 0
+
+
+@pytest.mark.skipif(not _can_unshare_pid(), reason="needs unshare --pid (root or user namespaces)")
+def test_as_pid_1_it_reaps_orphans_it_did_not_start(tmp_path):
+    services = {"parent": fake_service(orphan=True, orphan_s=0.3)}
+    prefix = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+    with SupervisorRun(tmp_path, services, prefix=prefix) as run:
+        run.wait_ready()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and run.status_doc()["supervisor"]["orphans_reaped"] < 1:
+            time.sleep(0.1)
+        doc = run.status_doc()
+        assert doc["supervisor"]["pid"] == 1
+        assert doc["supervisor"]["orphans_reaped"] >= 1
+        assert doc["services"][0]["state"] == "ready"
+        pid1 = psutil.Process(run.proc.pid).children()[0]  # the supervisor, PID 1 inside
+        assert not [p for p in pid1.children(recursive=True) if p.status() == psutil.STATUS_ZOMBIE]
+        pid1.send_signal(signal.SIGTERM)
+        assert run.wait_exit(10) == 0
+        _assert_clean(run)
