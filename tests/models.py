@@ -43,3 +43,39 @@ def scrfd_shaped_onnx(path: Path, size: int = 640, seed: int = 0) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(path))
     return path
+
+
+def tiny_sd_img2img(path: Path, seed: int = 0) -> Path:
+    """A randomly initialised, tiny Stable Diffusion img2img pipeline saved with
+    save_pretrained: every file a real model directory has, built offline."""
+    import json
+
+    import torch
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionImg2ImgPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    tokdir = path.parent / (path.name + "-tokenizer-src")
+    tokdir.mkdir(parents=True, exist_ok=True)
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for c in range(33, 127):
+        vocab.setdefault(chr(c), len(vocab))
+        vocab.setdefault(chr(c) + "</w>", len(vocab))
+    (tokdir / "vocab.json").write_text(json.dumps(vocab))
+    (tokdir / "merges.txt").write_text("#version: 0.2\n")
+    tokenizer = CLIPTokenizer(str(tokdir / "vocab.json"), str(tokdir / "merges.txt"), model_max_length=77)
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(
+        block_out_channels=(8, 16), layers_per_block=1, sample_size=16, in_channels=4, out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=16, attention_head_dim=2, norm_num_groups=4)
+    vae = AutoencoderKL(
+        block_out_channels=(8, 16), in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=4,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, sample_size=32)
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_size=16, intermediate_size=32, layer_norm_eps=1e-5,
+        num_attention_heads=2, num_hidden_layers=2, vocab_size=len(vocab), max_position_embeddings=77))
+    pipe = StableDiffusionImg2ImgPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+                                          scheduler=DDIMScheduler(), safety_checker=None, feature_extractor=None,
+                                          requires_safety_checker=False)
+    pipe.save_pretrained(str(path))
+    return path

@@ -152,10 +152,33 @@ class Scheduler:
                 raise ClientGone()
             if time.perf_counter() > deadline:
                 raise self._expired(deadline)
-            results = await self._run_batch([payload], timing)
+            results, stopped_because = await self._run_cancellable(payload, deadline, timing, gone)
         finally:
             self.lock.release()
+        if stopped_because == "client":
+            self.metrics.dropped.labels("client_gone").inc()
+            raise ClientGone()
+        if stopped_because == "deadline":
+            self.metrics.dropped.labels("deadline").inc()
+            raise ApiError(504, "deadline_exceeded",
+                           f"stopped at the request deadline of {self.settings.request_timeout_s:g} s")
         return self._unwrap(results[0])
+
+    async def _run_cancellable(self, payload: Any, deadline: float, timing: Timing, gone) -> tuple[list, str]:
+        """Run one item; a payload with a `cancel` event is told to stop (between steps)
+        when its client leaves or its deadline passes."""
+        run = asyncio.ensure_future(self._run_batch([payload], timing))
+        cancel = getattr(payload, "cancel", None)
+        if cancel is None:
+            return await run, ""
+        watch = {run} if gone is None else {run, gone}
+        done, _ = await asyncio.wait(watch, timeout=max(0.0, deadline - time.perf_counter()),
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if run in done:
+            return run.result(), ""
+        cancel.set()
+        why = "client" if gone is not None and gone.done() else "deadline"
+        return await run, why
 
     async def _submit_batched(self, payload: Any, deadline: float, timing: Timing, gone) -> Any:
         item = _Item(payload, deadline, time.perf_counter(), asyncio.get_running_loop().create_future())

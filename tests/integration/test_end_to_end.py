@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -26,19 +27,39 @@ class DefaultConfigRun(SupervisorRun):
             self.extra_args += ["--set", f"services.{name}.port={port}"]
 
 
-def test_default_config_serves_detect_and_status_shows_it(tmp_path):
+def _both_work(run) -> None:
+    img = encode(astronaut())
+    r = httpx.post(f"http://127.0.0.1:{run.ports['detect']}/api/v1/facedetect",
+                   content=img, headers={"content-type": "image/png"}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["faces"]) == 1
+    r = httpx.post(f"http://127.0.0.1:{run.ports['img2img']}/api/v1/img2img?style=5",
+                   content=img, headers={"content-type": "image/png"}, timeout=120)
+    assert r.status_code == 200 and r.headers["content-type"] == "image/png" and len(r.content) > 10_000
+
+
+def test_default_config_serves_both_and_status_shows_them(tmp_path):
     with DefaultConfigRun(tmp_path) as run:
         run.wait_ready(timeout=240)
-        r = httpx.post(f"http://127.0.0.1:{run.ports['detect']}/api/v1/facedetect",
-                       content=encode(astronaut()), headers={"content-type": "image/png"}, timeout=60)
-        assert r.status_code == 200 and len(r.json()["faces"]) == 1
+        _both_work(run)
         time.sleep(2.5)  # a liveness period: the supervisor reads /stats
         doc = run.status_doc()
-        detect = next(s for s in doc["services"] if s["name"] == "detect")
-        assert detect["state"] == "ready" and detect["served"] == 1
-        assert detect["queue_depth"] == 0 and detect["latency_p50_ms"] > 0
+        by_name = {s["name"]: s for s in doc["services"]}
+        assert set(by_name) == {"detect", "img2img"}
+        for s in by_name.values():
+            assert s["state"] == "ready" and s["served"] == 1
+            assert s["queue_depth"] == 0 and s["latency_p50_ms"] > 0
         table = run.status().stdout
-        assert "detect" in table and "ready" in table
+        assert "detect" in table and "img2img" in table
         run.signal(signal.SIGTERM)
         assert run.wait_exit(30) == 0
+        assert not run.wait_no_leftovers()
+
+
+def test_killing_img2img_takes_the_unit_down_with_its_exit_code(tmp_path):
+    with DefaultConfigRun(tmp_path) as run:
+        run.wait_ready(timeout=240)
+        _both_work(run)
+        os.kill(run.child_pid("img2img"), signal.SIGKILL)
+        assert run.wait_exit(30) == 128 + signal.SIGKILL
+        assert "img2img: exited with code 137; stopping every service" in run.output()
         assert not run.wait_no_leftovers()

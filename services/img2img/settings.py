@@ -1,0 +1,33 @@
+"""The img2img service's settings: the runtime's, plus the backend and its model."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from services.runtime.settings import RuntimeSettings
+
+SCHEDULERS = ("default", "ddim", "euler", "euler_a", "dpmpp_2m", "lms", "pndm", "heun", "unipc")
+
+
+class Img2ImgSettings(RuntimeSettings):
+    max_batch_size: int = Field(1, ge=1, le=1, description="img2img runs one request at a time")
+    request_timeout_s: float = Field(120.0, gt=0, le=3600)
+    inference_timeout_s: float = Field(300.0, gt=0, le=86400)
+    backend: Literal["style", "diffusers"] = "style"
+    max_side: int = Field(1024, ge=64, le=4096, description="long side the input is resized to")
+    model_path: str | None = Field(None, description="diffusers: a local Stable Diffusion model directory")
+    scheduler: Literal[SCHEDULERS] = Field("default", description="diffusers: the sampler")
+    safety_checker: bool = Field(False, description="diffusers: run the model's safety checker if it has one")
+    dtype: Literal["auto", "float16", "float32"] = Field("auto", description="auto: float16 on CUDA, float32 on CPU")
+    gpu_memory_fraction: float | None = Field(None, gt=0, le=1, description="torch per-process memory fraction")
+    default_steps: int = Field(20, ge=1, le=150)
+    max_steps: int = Field(100, ge=1, le=1000)
+    max_prompt_chars: int = Field(2000, ge=1, le=100_000)
+
+    @model_validator(mode="after")
+    def _diffusers_needs_a_model(self) -> "Img2ImgSettings":
+        if self.backend == "diffusers" and not self.model_path:
+            raise ValueError("backend 'diffusers' needs model_path (a local model directory)")
+        return self

@@ -1,0 +1,176 @@
+"""The img2img service: the embedded style backend, a tiny Stable Diffusion pipeline
+loaded through the real config path, and the webui-compatible API."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import io
+import json
+import socket
+import time
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.images import astronaut, encode
+from tests.models import tiny_sd_img2img
+from tests.service_harness import ServiceProcess
+
+APP = "services.img2img.app:create_app"
+
+
+def post(svc, params="", body=None, ctype="image/png", **kw):
+    return httpx.post(f"{svc.url}/api/v1/img2img{params}", content=body if body is not None else encode(astronaut()),
+                      headers={"content-type": ctype, **kw.pop("headers", {})}, timeout=120, **kw)
+
+
+def as_array(data: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB")).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def style(tmp_path_factory):
+    with ServiceProcess(APP, {"backend": "style", "max_side": 512}, tmp_path_factory.mktemp("style")) as svc:
+        yield svc
+
+
+def test_style_returns_an_image_of_the_input_size(style):
+    r = post(style, "?style=3")
+    assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+    out = as_array(r.content)
+    assert out.shape == (512, 512, 3)
+    assert np.abs(out - astronaut()).mean() > 10  # it did change the picture
+    assert {"decode", "queue", "infer", "encode"} <= {p.split(";")[0] for p in r.headers["server-timing"].split(", ")}
+
+
+def test_strength_blends_with_the_input(style):
+    full = as_array(post(style, "?style=3&strength=1").content)
+    light = as_array(post(style, "?style=3&strength=0.2").content)
+    src = astronaut().astype(np.float32)
+    assert np.abs(light - src).mean() < 0.5 * np.abs(full - src).mean()
+
+
+def test_output_formats_and_json_response(style):
+    for fmt, mime in (("jpeg", "image/jpeg"), ("webp", "image/webp")):
+        r = post(style, f"?format={fmt}")
+        assert r.headers["content-type"] == mime and Image.open(io.BytesIO(r.content)).format == fmt.upper()
+    r = post(style, "?seed=7", headers={"accept": "application/json"})
+    doc = r.json()
+    assert doc["seed"] == 7 and (doc["width"], doc["height"]) == (512, 512)
+    assert Image.open(io.BytesIO(base64.b64decode(doc["image"]))).size == (512, 512)
+    body = {"image": base64.b64encode(encode(astronaut())).decode(), "style": "3:0.5,12:0.5",
+            "response_format": "json"}
+    assert httpx.post(style.url + "/api/v1/img2img", json=body, timeout=60).json()["width"] == 512
+
+
+def test_arbitrary_style_from_a_style_image(style):
+    from tests.images import coffee
+    files = {"image": ("a.png", encode(astronaut()), "image/png"),
+             "style_image": ("s.png", encode(coffee()), "image/png")}
+    r = httpx.post(style.url + "/api/v1/img2img", files=files, timeout=60)
+    assert r.status_code == 200
+    preset = as_array(post(style, "?style=0").content)
+    assert np.abs(as_array(r.content) - preset).mean() > 5
+
+
+@pytest.mark.parametrize("query,field", [
+    ("?strength=0", "strength"), ("?strength=1.5", "strength"), ("?steps=0", "steps"),
+    ("?guidance_scale=nan", "guidance_scale"), ("?seed=abc", "seed"), ("?format=gif", "format"),
+    ("?style=99", "style"), ("?bogus=1", "bogus"), ("?steps=900", "steps"),
+])
+def test_bad_parameters_are_422_naming_the_field(style, query, field):
+    r = post(style, query)
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["message"].startswith(field)
+
+
+def test_webui_api_and_progress(style):
+    body = {"init_images": [base64.b64encode(encode(astronaut())).decode()], "prompt": "oil painting",
+            "denoising_strength": 0.6, "steps": 10, "cfg_scale": 5, "seed": 42, "width": 320, "height": 240,
+            "sampler_name": "Euler a", "restore_faces": False, "override_settings": {}}
+    r = httpx.post(style.url + "/sdapi/v1/img2img", json=body, timeout=60)
+    assert r.status_code == 200
+    doc = r.json()
+    assert set(doc) == {"images", "parameters", "info"}
+    assert Image.open(io.BytesIO(base64.b64decode(doc["images"][0]))).size == (320, 240)
+    info = json.loads(doc["info"])
+    assert info["seed"] == 42 and info["ignored_fields"] == ["override_settings", "restore_faces"]
+    assert doc["parameters"]["denoising_strength"] == 0.6
+    bad = httpx.post(style.url + "/sdapi/v1/img2img", json={**body, "denoising_strength": 3}, timeout=60)
+    assert bad.status_code == 422 and "denoising_strength" in bad.json()["error"]["message"]
+    prog = httpx.get(style.url + "/sdapi/v1/progress").json()
+    assert prog["progress"] == 0.0 and prog["state"]["job_count"] == 0
+
+
+@pytest.fixture(scope="module")
+def sd_dir(tmp_path_factory):
+    return tiny_sd_img2img(tmp_path_factory.mktemp("sd") / "tiny-sd")
+
+
+@pytest.fixture(scope="module")
+def diffusers_svc(sd_dir, tmp_path_factory):
+    settings = {"backend": "diffusers", "model_path": str(sd_dir), "max_side": 64, "max_steps": 1000,
+                "request_timeout_s": 60, "scheduler": "ddim"}
+    with ServiceProcess(APP, settings, tmp_path_factory.mktemp("sdsvc"), threads=1) as svc:
+        yield svc
+
+
+def small_input() -> bytes:
+    return encode(np.asarray(Image.fromarray(astronaut()).resize((64, 64))))
+
+
+def test_diffusers_is_deterministic_by_seed(diffusers_svc):
+    a = post(diffusers_svc, "?seed=1&steps=4&strength=0.8&prompt=a+cat", body=small_input())
+    b = post(diffusers_svc, "?seed=1&steps=4&strength=0.8&prompt=a+cat", body=small_input())
+    c = post(diffusers_svc, "?seed=2&steps=4&strength=0.8&prompt=a+cat", body=small_input())
+    assert a.status_code == b.status_code == c.status_code == 200
+    assert a.content == b.content
+    assert a.content != c.content
+    info = httpx.get(diffusers_svc.url + "/info").json()
+    assert info["backend"] == "diffusers" and info["device"] == "cpu" and info["dtype"] == "float32"
+    assert info["scheduler"] == "DDIMScheduler"
+
+
+def test_diffusers_webui_sampler(diffusers_svc):
+    body = {"init_images": [base64.b64encode(small_input()).decode()], "steps": 3, "seed": 5,
+            "sampler_name": "Euler a"}
+    r = httpx.post(diffusers_svc.url + "/sdapi/v1/img2img", json=body, timeout=60)
+    assert r.status_code == 200 and json.loads(r.json()["info"])["sampler_name"] == "Euler a"
+
+
+def _progress(svc):
+    return httpx.get(svc.url + "/sdapi/v1/progress", timeout=5).json()
+
+
+def test_running_generation_stops_when_its_client_disconnects(diffusers_svc):
+    body = small_input()
+    s = socket.create_connection(("127.0.0.1", diffusers_svc.port))
+    s.sendall(b"POST /api/v1/img2img?steps=900&strength=1&seed=3 HTTP/1.1\r\nHost: x\r\n"
+              b"Content-Type: image/png\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.monotonic() + 30
+    while _progress(diffusers_svc)["state"]["sampling_step"] < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    s.close()
+    t0 = time.monotonic()
+    while _progress(diffusers_svc)["state"]["job_count"]:
+        assert time.monotonic() - t0 < 5, "still generating after the client left"
+        time.sleep(0.05)
+    prog_steps = _progress(diffusers_svc)
+    assert prog_steps["state"]["job_count"] == 0
+    assert post(diffusers_svc, "?steps=2&seed=1", body=small_input()).status_code == 200
+
+
+def test_running_generation_stops_at_its_deadline(sd_dir, tmp_path):
+    settings = {"backend": "diffusers", "model_path": str(sd_dir), "max_side": 64, "max_steps": 1000,
+                "request_timeout_s": 1.5}
+    with ServiceProcess(APP, settings, tmp_path) as svc:
+        t0 = time.monotonic()
+        r = post(svc, "?steps=900&strength=1", body=small_input())
+        took = time.monotonic() - t0
+        assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
+        assert took < 10
+        assert _progress(svc)["state"]["job_count"] == 0
