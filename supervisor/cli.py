@@ -26,11 +26,18 @@ def _config_path(config: Optional[str]) -> str:
 def _load(config: Optional[str], sets: List[str]):
     from supervisor.config import ConfigError, load_config
     from supervisor.cpuquota import read_cpu_quota
+    from supervisor.gpu import GpuFacts
+    from supervisor.mps import MpsDaemon
     from supervisor.plan import build_plan
     path = _config_path(config)
     try:
-        cfg = load_config(path, sets)
+        gpu = GpuFacts(os.environ.get("CUDA_VISIBLE_DEVICES", "0") or "0")
+        cfg = load_config(path, sets, gpu_total_bytes=gpu.total_bytes())
         plan = build_plan(cfg, read_cpu_quota(), os.environ, path)
+        if plan.mps_dir is not None:
+            problem = MpsDaemon(plan.mps_dir).problem()
+            if problem:
+                raise ConfigError(f"{path}: gpu.mps: {problem}")
     except ConfigError as exc:
         typer.echo(f"onecard: configuration error\n{exc}", err=True)
         raise typer.Exit(ConfigError.exit_code)
@@ -68,18 +75,33 @@ def check(
            f"probes  http://{s.health_host}:{s.health_port}/healthz /readyz /metrics"
            if s.health_port else "probes  disabled (health_port = 0)",
            f"control  {s.control_socket}",
-           f"gpu  CUDA_VISIBLE_DEVICES={cfg.gpu.visible_devices}, MPS {'on' if cfg.gpu.mps else 'off'}",
+           f"gpu  CUDA_VISIBLE_DEVICES={cfg.gpu.visible_devices}, MPS "
+           + (f"on (pipe and log under {plan.mps_dir})" if plan.mps_dir else "off"),
+           "gpu  " + _gpu_line(cfg.gpu.visible_devices),
            f"cpu  {q.cpus:g} usable CPUs ({q.source}; affinity {q.affinity}, "
            f"quota {'none' if q.quota is None else f'{q.quota:g}'})"]
     for sp in plan.services:
+        svc = cfg.services[sp.name]
+        budget = (f"{svc.gpu_memory_fraction:g} of the card" if svc.gpu_memory_fraction is not None else
+                  f"{svc.gpu_memory_bytes} bytes" if svc.gpu_memory_bytes is not None else "none")
         out.append("")
-        out.append(f"service {sp.name}  http://{sp.host}:{sp.port}  threads {sp.threads}")
+        out.append(f"service {sp.name}  http://{sp.host}:{sp.port}  threads {sp.threads}  "
+                   f"GPU memory budget {budget}")
         out.append(f"  command  {shlex.join(sp.argv)}")
         for k in sorted(sp.env_own):
             out.append(f"  env  {k}={sp.env_own[k]}")
     for w in plan.warnings:
         out.append(f"warning: {w}")
     typer.echo("\n".join(out))
+
+
+def _gpu_line(device: str) -> str:
+    from supervisor.gpu import GpuFacts
+    facts = GpuFacts(device).read()
+    if not facts["available"]:
+        return f"none ({facts['reason']})"
+    return (f"{facts['name']}, {facts['memory_used_bytes'] / 2**30:.1f} / "
+            f"{facts['memory_total_bytes'] / 2**30:.1f} GiB used")
 
 
 @app.command()

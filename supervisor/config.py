@@ -56,6 +56,9 @@ class SupervisorSettings(_Strict):
 class GpuSettings(_Strict):
     visible_devices: str = Field("0", description="CUDA_VISIBLE_DEVICES given to every service")
     mps: bool = Field(False, description="run services under the NVIDIA MPS control daemon")
+    mps_dir: str | None = Field(None, description="MPS pipe and log directories go here "
+                                "(default: beside the control socket)")
+    mps_start_timeout_s: float = Field(10.0, gt=0, le=300, description="wait for the MPS daemon's control pipe")
 
 
 class ServiceSettings(_Strict):
@@ -67,6 +70,10 @@ class ServiceSettings(_Strict):
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables")
     settings: dict[str, Any] = Field(default_factory=dict, description="the service's own section")
     enabled: bool = True
+    gpu_memory_fraction: float | None = Field(None, gt=0, le=1, description="GPU memory budget, share of the card")
+    gpu_memory_bytes: int | None = Field(None, gt=0, description="GPU memory budget in bytes")
+    mps_thread_percentage: int | None = Field(None, ge=1, le=100,
+                                              description="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE under MPS")
 
     @field_validator("app")
     @classmethod
@@ -93,6 +100,8 @@ class ServiceSettings(_Strict):
     def _one_launcher(self) -> "ServiceSettings":
         if (self.app is None) == (self.command is None):
             raise ValueError("set exactly one of 'app' and 'command'")
+        if self.gpu_memory_fraction is not None and self.gpu_memory_bytes is not None:
+            raise ValueError("set at most one of 'gpu_memory_fraction' and 'gpu_memory_bytes'")
         return self
 
 
@@ -170,6 +179,7 @@ def load_config(
     path: str | Path | None,
     sets: list[str] | None = None,
     environ: Mapping[str, str] | None = None,
+    gpu_total_bytes: int | None = None,
 ) -> Config:
     """Read, merge and validate; every problem found is raised as one ConfigError."""
     environ = os.environ if environ is None else environ
@@ -200,15 +210,35 @@ def load_config(
             lines.append(f"{where}: {key}: {_describe(err)}")
         raise ConfigError("\n".join(lines)) from None
 
-    problems = semantic_problems(config)
+    problems = semantic_problems(config, gpu_total_bytes)
     if problems:
         raise ConfigError("\n".join(f"{label}: {p}" for p in problems))
     return config
 
 
-def semantic_problems(config: Config) -> list[str]:
+def budget_fractions(config: Config, total_bytes: int | None) -> dict[str, float | None]:
+    """Each service's GPU memory budget as a share of the card (None: no budget, or bytes
+    that cannot be converted without knowing the card)."""
+    out: dict[str, float | None] = {}
+    for name, svc in config.enabled_services().items():
+        if svc.gpu_memory_fraction is not None:
+            out[name] = svc.gpu_memory_fraction
+        elif svc.gpu_memory_bytes is not None and total_bytes:
+            out[name] = svc.gpu_memory_bytes / total_bytes
+        else:
+            out[name] = None
+    return out
+
+
+def semantic_problems(config: Config, gpu_total_bytes: int | None = None) -> list[str]:
     """Rules across keys that pydantic's per-field checks cannot see."""
     problems = []
+    shares = budget_fractions(config, gpu_total_bytes)
+    total_share = sum(v for v in shares.values() if v is not None)
+    if total_share > 1.0 + 1e-9:
+        parts = ", ".join(f"{n} {v:.2f}" for n, v in shares.items() if v is not None)
+        problems.append(f"services.*.gpu_memory_fraction: budgets add up to {total_share:.2f} of the card "
+                        f"({parts}); expected at most 1.0")
     seen: dict[int, str] = {}
     if config.supervisor.health_port:
         seen[config.supervisor.health_port] = "supervisor.health_port"

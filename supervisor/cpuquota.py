@@ -62,19 +62,29 @@ def _v2_quota(root: Path, rel: str) -> tuple[float | None, Path]:
     return tightest, leaf
 
 
-def _v1_quota(root: Path) -> tuple[float | None, Path] | None:
+def _own_cgroup_v1(proc_self_cgroup: str | None) -> str:
+    for line in (proc_self_cgroup or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3 and "cpu" in parts[1].split(","):
+            return parts[2]
+    return "/"
+
+
+def _v1_quota(root: Path, rel: str) -> tuple[float | None, Path] | None:
+    rel_parts = [p for p in rel.split("/") if p]
     for name in ("cpu,cpuacct", "cpu", "cpuacct,cpu"):
-        d = root / name
-        q, p = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
-        if q is None or p is None:
-            continue
-        try:
-            quota, period = int(q), int(p)
-        except ValueError:
-            return None, d
-        if quota <= 0 or period <= 0:
-            return None, d
-        return quota / period, d
+        base = root / name
+        for d in (base.joinpath(*rel_parts), base):  # our own cgroup, else the namespace root
+            q, p = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
+            if q is None or p is None:
+                continue
+            try:
+                quota, period = int(q), int(p)
+            except ValueError:
+                return None, d
+            if quota <= 0 or period <= 0:
+                return None, d
+            return quota / period, d
     return None
 
 
@@ -96,10 +106,80 @@ def read_cpu_quota(
         found = _v2_quota(root, _own_cgroup_v2(proc_self_cgroup))
         source = "cgroup2"
     else:
-        found = _v1_quota(root)
+        found = _v1_quota(root, _own_cgroup_v1(proc_self_cgroup))
         source = "cgroup1"
     if found is None:
         return CpuQuota(float(affinity), "affinity", affinity, None, None)
     quota, where = found
     cpus = float(affinity) if quota is None else min(quota, float(affinity))
     return CpuQuota(cpus, source, affinity, quota, str(where))
+
+
+@dataclass(frozen=True)
+class CpuStat:
+    nr_periods: int
+    nr_throttled: int
+    throttled_s: float
+
+
+def read_cpu_stat(quota: CpuQuota) -> CpuStat | None:
+    """Throttling counters of our cgroup (v2 throttled_usec, v1 throttled_time in ns)."""
+    if quota.cgroup_dir is None:
+        return None
+    text = _read(Path(quota.cgroup_dir) / "cpu.stat")
+    if text is None:
+        return None
+    fields: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        try:
+            fields[key] = int(value.strip())
+        except ValueError:
+            continue
+    if "nr_periods" not in fields:
+        return None
+    if "throttled_usec" in fields:
+        throttled = fields["throttled_usec"] / 1e6
+    else:
+        throttled = fields.get("throttled_time", 0) / 1e9
+    return CpuStat(fields["nr_periods"], fields.get("nr_throttled", 0), throttled)
+
+
+class ThrottleWindow:
+    """Samples cpu.stat and tells how throttled we were over the last minute."""
+
+    def __init__(self, quota: CpuQuota, clock=None, window_s: float = 60.0,
+                 reader=read_cpu_stat):
+        import collections
+        import time
+        self.quota = quota
+        self.clock = clock or time.monotonic
+        self.window_s = window_s
+        self.reader = reader
+        self.samples: "collections.deque[tuple[float, CpuStat]]" = collections.deque()
+
+    def sample(self) -> CpuStat | None:
+        stat = self.reader(self.quota)
+        if stat is None:
+            return None
+        now = self.clock()
+        self.samples.append((now, stat))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= self.window_s:
+            self.samples.popleft()
+        return stat
+
+    def summary(self) -> dict | None:
+        latest = self.sample()
+        if latest is None:
+            return None
+        t0, first = self.samples[0]
+        t1 = self.samples[-1][0]
+        periods = latest.nr_periods - first.nr_periods
+        return {
+            "nr_periods": latest.nr_periods,
+            "nr_throttled": latest.nr_throttled,
+            "throttled_s": round(latest.throttled_s, 3),
+            "window_s": round(t1 - t0, 1),
+            "throttled_share_1m": round((latest.nr_throttled - first.nr_throttled) / periods, 4) if periods > 0 else 0.0,
+            "throttled_s_1m": round(latest.throttled_s - first.throttled_s, 3),
+        }

@@ -7,6 +7,7 @@ check` prints exactly what `onecard run` would start.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -36,6 +37,13 @@ class Plan:
     services: list[ServicePlan]
     quota: CpuQuota
     warnings: list[str] = field(default_factory=list)
+    mps_dir: str | None = None   # set when [gpu] mps = true
+
+
+def mps_dir_of(config: Config) -> str | None:
+    if not config.gpu.mps:
+        return None
+    return config.gpu.mps_dir or os.path.join(os.path.dirname(config.supervisor.control_socket), "mps")
 
 
 def plan_threads(config: Config, quota: CpuQuota) -> tuple[dict[str, int], list[str]]:
@@ -66,6 +74,7 @@ def plan_threads(config: Config, quota: CpuQuota) -> tuple[dict[str, int], list[
 def build_plan(config: Config, quota: CpuQuota, base_env: Mapping[str, str],
                config_path: str | None = None) -> Plan:
     threads, warnings = plan_threads(config, quota)
+    mps_dir = mps_dir_of(config)
     plans = []
     for name, svc in config.enabled_services().items():
         if svc.command is not None:
@@ -85,8 +94,17 @@ def build_plan(config: Config, quota: CpuQuota, base_env: Mapping[str, str],
         }
         if svc.app is not None:
             own["ONECARD_SERVICE_APP"] = svc.app
+        if svc.gpu_memory_fraction is not None:
+            own["ONECARD_GPU_MEMORY_FRACTION"] = f"{svc.gpu_memory_fraction:g}"
+        if svc.gpu_memory_bytes is not None:
+            own["ONECARD_GPU_MEMORY_BYTES"] = str(svc.gpu_memory_bytes)
+        if mps_dir is not None:
+            own["CUDA_MPS_PIPE_DIRECTORY"] = os.path.join(mps_dir, "pipe")
+            own["CUDA_MPS_LOG_DIRECTORY"] = os.path.join(mps_dir, "log")
+            if svc.mps_thread_percentage is not None:
+                own["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(svc.mps_thread_percentage)
         own.update(svc.env)
         env = {k: v for k, v in base_env.items() if not k.startswith(_DROP_PREFIXES)}
         env.update(own)
         plans.append(ServicePlan(name, svc.host, svc.port, argv, env, own, threads[name]))
-    return Plan(plans, quota, warnings)
+    return Plan(plans, quota, warnings, mps_dir)

@@ -78,8 +78,29 @@ def absorb_stats(child: ChildProcess, result: ProbeResult) -> None:
         child.stats = {k: doc[k] for k in STAT_KEYS if isinstance(doc.get(k), (int, float))}
 
 
-def _service(child: ChildProcess, now: float) -> dict[str, Any]:
+def _tree_pids(pid: int | None) -> set[int]:
+    if pid is None:
+        return set()
+    try:
+        root = psutil.Process(pid)
+        return {pid} | {p.pid for p in root.children(recursive=True)}
+    except psutil.Error:
+        return {pid}
+
+
+def _gpu_memory(child: ChildProcess, gpu: dict[str, Any]) -> tuple[int | None, str | None]:
+    """NVML's per-process figure when our PIDs match its (not inside most containers),
+    else what the service reports for itself."""
+    nvml = gpu.get("per_service_bytes", {}).get(child.name)
+    if nvml is not None:
+        return nvml, "nvml"
+    own = child.stats.get("gpu_memory_bytes")
+    return (int(own), "service") if own is not None else (None, None)
+
+
+def _service(child: ChildProcess, now: float, gpu: dict[str, Any]) -> dict[str, Any]:
     up = child.uptime(now)
+    gpu_bytes, gpu_source = _gpu_memory(child, gpu)
     return {
         "name": child.name,
         "pid": child.pid,
@@ -95,8 +116,8 @@ def _service(child: ChildProcess, now: float) -> dict[str, Any]:
         "cpu_percent": child.cpu_percent,
         "cpu_seconds": None if child.cpu_seconds is None else round(child.cpu_seconds, 2),
         "rss_bytes": child.rss_bytes,
-        "gpu_memory_bytes": child.stats.get("gpu_memory_bytes"),
-        "gpu_memory_source": "service" if "gpu_memory_bytes" in child.stats else None,
+        "gpu_memory_bytes": gpu_bytes,
+        "gpu_memory_source": gpu_source,
         "queue_depth": child.stats.get("queue_depth"),
         "in_flight": child.stats.get("in_flight"),
         "served": child.stats.get("served"),
@@ -106,10 +127,15 @@ def _service(child: ChildProcess, now: float) -> dict[str, Any]:
     }
 
 
+def gpu_facts(sup: "Supervisor") -> dict[str, Any]:
+    return sup.gpu.read({c.name: _tree_pids(c.pid) for c in sup.children if c.alive})
+
+
 def snapshot(sup: "Supervisor") -> dict[str, Any]:
     now = sup.os.monotonic()
     for child in sup.children:
         sample_resources(child)
+    gpu = gpu_facts(sup)
     me = _tree_times(os.getpid())
     own = psutil.Process()
     q = sup.plan.quota
@@ -126,9 +152,13 @@ def snapshot(sup: "Supervisor") -> dict[str, Any]:
             "orphans_reaped": sup.orphans_reaped,
             "tree_rss_bytes": me[1] if me else None,
         },
-        "cpu": {"cpus": q.cpus, "source": q.source, "affinity": q.affinity, "quota": q.quota},
-        "gpu": {"available": False, "reason": "GPU facts are not collected yet"},
-        "services": [_service(c, now) for c in sup.children],
+        "cpu": {"cpus": q.cpus, "source": q.source, "affinity": q.affinity, "quota": q.quota,
+                "threads_planned": sum(c.plan.threads for c in sup.children),
+                "throttling": sup.throttle.summary()},
+        "gpu": {k: v for k, v in gpu.items() if k != "per_service_bytes"},
+        "mps": {"enabled": sup.mps is not None, "running": bool(sup.mps and sup.mps.started),
+                "pipe_dir": str(sup.mps.pipe_dir) if sup.mps else None},
+        "services": [_service(c, now, gpu) for c in sup.children],
     }
 
 
@@ -178,6 +208,45 @@ def metrics_text(sup: "Supervisor") -> str:
             "# TYPE onecard_service_liveness_misses gauge"]
     for c in sup.children:
         out.append(f'onecard_service_liveness_misses{{service="{_esc(c.name)}"}} {c.liveness_misses}')
+    gpu = gpu_facts(sup)
+    out += ["# HELP onecard_gpu_available 1 when NVML sees the GPU.",
+            "# TYPE onecard_gpu_available gauge",
+            f"onecard_gpu_available {1 if gpu.get('available') else 0}"]
+    if gpu.get("available"):
+        out += ["# HELP onecard_gpu_memory_used_bytes GPU memory in use (all processes).",
+                "# TYPE onecard_gpu_memory_used_bytes gauge",
+                f"onecard_gpu_memory_used_bytes {gpu['memory_used_bytes']}",
+                "# HELP onecard_gpu_memory_total_bytes GPU memory of the card.",
+                "# TYPE onecard_gpu_memory_total_bytes gauge",
+                f"onecard_gpu_memory_total_bytes {gpu['memory_total_bytes']}"]
+        if gpu.get("utilization_percent") is not None:
+            out += ["# HELP onecard_gpu_utilization_percent GPU utilization.",
+                    "# TYPE onecard_gpu_utilization_percent gauge",
+                    f"onecard_gpu_utilization_percent {gpu['utilization_percent']}"]
+    out += ["# HELP onecard_service_gpu_memory_bytes GPU memory per service; source nvml or service.",
+            "# TYPE onecard_service_gpu_memory_bytes gauge"]
+    for c in sup.children:
+        used, source = _gpu_memory(c, gpu)
+        if used is not None:
+            out.append(f'onecard_service_gpu_memory_bytes{{service="{_esc(c.name)}",source="{source}"}} {used}')
+    q = sup.plan.quota
+    out += ["# HELP onecard_cpu_quota_cpus CPUs this container may use (cgroup quota and affinity).",
+            "# TYPE onecard_cpu_quota_cpus gauge",
+            f"onecard_cpu_quota_cpus {q.cpus:g}"]
+    thr = sup.throttle.summary()
+    if thr is not None:
+        out += ["# HELP onecard_cpu_throttled_periods_total CFS periods in which the cgroup was throttled.",
+                "# TYPE onecard_cpu_throttled_periods_total counter",
+                f"onecard_cpu_throttled_periods_total {thr['nr_throttled']}",
+                "# HELP onecard_cpu_periods_total CFS periods elapsed.",
+                "# TYPE onecard_cpu_periods_total counter",
+                f"onecard_cpu_periods_total {thr['nr_periods']}",
+                "# HELP onecard_cpu_throttled_seconds_total Time the cgroup was throttled.",
+                "# TYPE onecard_cpu_throttled_seconds_total counter",
+                f"onecard_cpu_throttled_seconds_total {thr['throttled_s']}",
+                "# HELP onecard_cpu_throttled_share_1m Share of periods throttled over the last minute.",
+                "# TYPE onecard_cpu_throttled_share_1m gauge",
+                f"onecard_cpu_throttled_share_1m {thr['throttled_share_1m']}"]
     out += ["# HELP onecard_ready 1 when every service is ready.",
             "# TYPE onecard_ready gauge",
             f"onecard_ready {1 if all_ready(sup) else 0}"]

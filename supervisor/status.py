@@ -109,13 +109,20 @@ def render_table(doc: dict[str, Any]) -> str:
                  f"rss {_mib(sup.get('rss_bytes'))}"
                  + (f"  stopping: {sup['stop_reason']}" if sup.get("stop_reason") else ""))
     quota = cpu.get("quota")
+    thr = cpu.get("throttling")
     lines.append(f"cpu  {cpu.get('cpus', 0):g} usable ({cpu.get('source')}; affinity {cpu.get('affinity')}, "
-                 f"quota {'none' if quota is None else f'{quota:g}'})")
+                 f"quota {'none' if quota is None else f'{quota:g}'}), {cpu.get('threads_planned')} threads planned"
+                 + (f"; throttled {100 * thr['throttled_share_1m']:.1f}% of periods, "
+                    f"{thr['throttled_s_1m']:.2f} s in the last {thr['window_s']:g} s" if thr else ""))
     if gpu.get("available"):
+        util = gpu.get("utilization_percent")
         lines.append(f"gpu  {gpu.get('name')}  {_mib(gpu.get('memory_used_bytes'))} / "
-                     f"{_mib(gpu.get('memory_total_bytes'))}")
+                     f"{_mib(gpu.get('memory_total_bytes'))}" + ("" if util is None else f"  {util}% busy"))
     else:
         lines.append(f"gpu  none ({gpu.get('reason', 'no GPU')})")
+    mps = doc.get("mps") or {}
+    if mps.get("enabled"):
+        lines.append(f"mps  {'running' if mps.get('running') else 'not running'} ({mps.get('pipe_dir')})")
     return "\n".join(lines)
 
 

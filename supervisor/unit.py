@@ -7,6 +7,7 @@ Exit rules (documented in the README):
 - start-up timeout            -> stop everything, exit 3
 - liveness failures           -> stop everything (the hung one too), exit 4
 - a service cannot be started -> exit 127
+- the MPS daemon will not start -> exit 5 (nothing else is started)
 
 Signal handlers (`handle_<signal>`) only enqueue; everything else happens in `run`'s
 loop, one event at a time, so the policy is plain sequential code.
@@ -23,6 +24,9 @@ from supervisor import report
 from supervisor.child import ChildProcess, State
 from supervisor.config import Config
 from supervisor.control import ControlError, ControlServer, HealthServer
+from supervisor.cpuquota import ThrottleWindow
+from supervisor.gpu import GpuFacts
+from supervisor.mps import MpsDaemon, MpsError
 from supervisor.logs import LineSplitter, LogSink
 from supervisor.oslayer import OsLayer, exit_code_of
 from supervisor.plan import Plan
@@ -33,6 +37,8 @@ EXIT_LIVENESS = 4
 EXIT_SPAWN_FAILED = 127
 EXIT_KILLED_BY_SECOND_SIGINT = 130
 EXIT_CONTROL_FAILED = 1
+EXIT_MPS_FAILED = 5
+THROTTLE_SAMPLE_S = 10.0
 
 Prober = Callable[[str, int, str, float], Awaitable[ProbeResult]]
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)
@@ -40,7 +46,7 @@ HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)
 
 class Supervisor:
     def __init__(self, config: Config, plan: Plan, *, os_layer: OsLayer | None = None,
-                 log: LogSink | None = None, prober: Prober = http_get):
+                 log: LogSink | None = None, prober: Prober = http_get, gpu: GpuFacts | None = None):
         self.config = config
         self.settings = config.supervisor
         self.plan = plan
@@ -58,6 +64,10 @@ class Supervisor:
         self.exit_code: int | None = None
         self.orphans_reaped = 0
         self._grace_timer: asyncio.TimerHandle | None = None
+        self.gpu = gpu or GpuFacts(config.gpu.visible_devices)
+        self.throttle = ThrottleWindow(plan.quota)
+        self.mps = (MpsDaemon(plan.mps_dir, config.gpu.mps_start_timeout_s, log=self.log.info)
+                    if plan.mps_dir else None)
 
     # ---- signal handlers: enqueue only -------------------------------------------------
     def handle_sigterm(self) -> None:
@@ -81,12 +91,21 @@ class Supervisor:
             for server in servers:
                 await server.close()
             return EXIT_CONTROL_FAILED
+        if self.mps is not None:
+            try:
+                await asyncio.to_thread(self.mps.start)
+            except MpsError as exc:
+                self.log.error(f"MPS: {exc}")
+                for server in servers:
+                    await server.close()
+                return EXIT_MPS_FAILED
         for sig in HANDLED_SIGNALS:
             loop.add_signal_handler(sig, getattr(self, f"handle_{sig.name.lower()}"))
         try:
             self.os.become_subreaper()
             for warning in self.plan.warnings:
                 self.log.warning(warning)
+            self._tasks.append(loop.create_task(self._sample_throttling()))
             self._spawn_all(loop)
             if not self.stopping:
                 self._tasks.append(loop.create_task(self._startup()))
@@ -105,6 +124,8 @@ class Supervisor:
                 loop.remove_signal_handler(sig)
             for server in servers:
                 await server.close()
+            if self.mps is not None:
+                await asyncio.to_thread(self.mps.stop)  # only once every service is gone
         code = self.exit_code if self.exit_code is not None else 0
         self.log.info(f"exit {code}: {self.stop_reason}")
         return code
@@ -252,6 +273,11 @@ class Supervisor:
     def _kill_stragglers(self) -> None:
         self._signal_all(signal.SIGKILL)
         self._on_sigchld()
+
+    async def _sample_throttling(self) -> None:
+        while True:
+            self.throttle.sample()
+            await asyncio.sleep(THROTTLE_SAMPLE_S)
 
     # ---- probes -----------------------------------------------------------------------
     def _probe_task(self, coro) -> asyncio.Task:

@@ -41,8 +41,9 @@ def toml_value(v: Any) -> str:
     raise TypeError(v)
 
 
-def write_config(path: Path, supervisor: dict, services: dict[str, dict]) -> Path:
+def write_config(path: Path, supervisor: dict, services: dict[str, dict], gpu: dict | None = None) -> Path:
     lines = ["[supervisor]"] + [f"{k} = {toml_value(v)}" for k, v in supervisor.items()]
+    lines += ["[gpu]"] + [f"{k} = {toml_value(v)}" for k, v in (gpu or {}).items()]
     for name, svc in services.items():
         lines.append(f"\n[services.{name}]")
         settings = svc.get("settings", {})
@@ -67,7 +68,8 @@ def fake_service(port: int | None = None, **settings: Any) -> dict:
 
 class SupervisorRun:
     def __init__(self, tmp: Path, services: dict[str, dict], extra_args: list[str] | None = None,
-                 prefix: list[str] | None = None, **supervisor: Any):
+                 prefix: list[str] | None = None, env: dict[str, str] | None = None,
+                 gpu: dict[str, Any] | None = None, **supervisor: Any):
         self.tmp = tmp
         self.socket = str(tmp / "ctl" / "control.sock")
         self.health_port = supervisor.pop("health_port", None) or free_port()
@@ -76,10 +78,11 @@ class SupervisorRun:
                "health_port": self.health_port, "control_socket": self.socket}
         sup.update(supervisor)
         self.services = services
-        self.config = write_config(tmp / "onecard.toml", sup, services)
+        self.config = write_config(tmp / "onecard.toml", sup, services, gpu or {})
         self.log_path = tmp / "supervisor.log"
         self.extra_args = extra_args or []
         self.prefix = prefix or []
+        self.env = env or {}
         self.proc: subprocess.Popen | None = None
         self.seen: dict[int, psutil.Process] = {}
         self.returncode: int | None = None
@@ -89,7 +92,7 @@ class SupervisorRun:
         self.proc = subprocess.Popen(
             [*self.prefix, sys.executable, "-m", "supervisor", "run", "--config", str(self.config), *self.extra_args],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT), **self.env},
         )
         self.seen[self.proc.pid] = psutil.Process(self.proc.pid)
         return self

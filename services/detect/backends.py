@@ -84,7 +84,7 @@ class CenterFaceBackend(Backend):
         ort.set_default_logger_severity(3)
         self.session = ort.InferenceSession(
             model.SerializeToString(), sess_options=ort_session_options(planned_threads()),
-            providers=ort_providers(self.settings.device, self.settings.gpu_memory_fraction))
+            providers=ort_providers(self.settings.device))
 
     def warmup_items(self) -> list[Any]:
         return [DetectItem(_warm_image(), 0.5, None)] * min(2, self.settings.max_batch_size)
@@ -183,7 +183,7 @@ class InsightFaceBackend(Backend):
     def load(self) -> None:
         from insightface.model_zoo import model_zoo
         self.model_file = self._model_file()
-        providers = ort_providers(self.settings.device, self.settings.gpu_memory_fraction)
+        providers = ort_providers(self.settings.device)
         model = model_zoo.get_model(self.model_file, providers=providers, download=False)
         if model is None or getattr(model, "taskname", "") != "detection":
             raise RuntimeError(f"{self.model_file} is not a face detector insightface recognises")

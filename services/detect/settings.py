@@ -16,7 +16,6 @@ class DetectSettings(RuntimeSettings):
     model_pack_dir: str | None = Field(None, description="insightface: a model pack directory (its det_*.onnx is used)")
     haar_cascade: str = Field("haarcascade_frontalface_default.xml", description="a file in OpenCV's cascade folder, or a path")
     nms_threshold: float = Field(0.3, gt=0, le=1)
-    gpu_memory_fraction: float | None = Field(None, gt=0, le=1, description="onnxruntime CUDA arena limit as a share of the card")
 
     @model_validator(mode="after")
     def _insightface_needs_a_model(self) -> "DetectSettings":

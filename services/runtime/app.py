@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from services.runtime.backend import Backend
 from services.runtime.codec import ImageRequest, Timing, read_image_request
 from services.runtime.errors import ApiError, ClientGone, error_response, install_error_handlers
+from services.runtime.gpu import budget_bytes
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.scheduler import Scheduler
 from services.runtime.settings import RuntimeSettings
@@ -218,6 +219,7 @@ def create_service_app(name: str, settings: RuntimeSettings, backend: Backend,
                 "max_queue", "max_batch_size", "max_wait_ms", "request_timeout_s", "inference_timeout_s",
                 "max_body_bytes", "max_pixels")},
             "batching": bool(ctx.scheduler and ctx.scheduler.batching),
+            "gpu_memory_budget_bytes": budget_bytes(),
             "versions": _versions(),
         }
 
