@@ -252,6 +252,30 @@ def semantic_problems(config: Config, gpu_total_bytes: int | None = None) -> lis
             if skey.endswith(("_path", "_dir")) and isinstance(value, str) and value:
                 if not Path(value).exists():
                     problems.append(f"services.{name}.settings.{skey}: no such file or directory: {value}")
+        problems += _service_settings_problems(name, svc)
     if not config.enabled_services():
         problems.append("services: expected at least one enabled service")
     return problems
+
+
+def _service_settings_problems(name: str, svc: ServiceSettings) -> list[str]:
+    """A service that publishes its settings model (``<package>.settings.SERVICE_SETTINGS``,
+    pydantic only, no ML import) has its section checked here, before anything starts."""
+    if svc.app is None:
+        return []
+    package = svc.app.split(":", 1)[0].rpartition(".")[0]
+    if not package:
+        return []
+    try:
+        import importlib
+        model = getattr(importlib.import_module(f"{package}.settings"), "SERVICE_SETTINGS", None)
+    except ImportError:
+        return []
+    if model is None:
+        return []
+    try:
+        model.model_validate(svc.settings)
+    except ValidationError as exc:
+        return [f"services.{name}.settings.{'.'.join(str(p) for p in e['loc']) or '(section)'}: {_describe(e)}"
+                .replace(".(section)", "") for e in exc.errors()]
+    return []

@@ -22,3 +22,5 @@ class DetectSettings(RuntimeSettings):
         if self.backend == "insightface" and not (self.model_path or self.model_pack_dir):
             raise ValueError("backend 'insightface' needs model_path (a detector ONNX) or model_pack_dir")
         return self
+
+SERVICE_SETTINGS = DetectSettings

@@ -30,3 +30,5 @@ class Img2ImgSettings(RuntimeSettings):
         if self.backend == "diffusers" and not self.model_path:
             raise ValueError("backend 'diffusers' needs model_path (a local model directory)")
         return self
+
+SERVICE_SETTINGS = Img2ImgSettings

@@ -129,3 +129,22 @@ def test_cli_check_prints_the_plan(tmp_path):
     assert "command  " in out and "-m services.runtime.serve" in out
     assert "env  OMP_NUM_THREADS=1" in out and "env  CUDA_VISIBLE_DEVICES=0" in out
     assert "MPS off" in out and "usable CPUs" in out
+
+
+def test_service_settings_are_checked_before_anything_starts(tmp_path):
+    text = BASE + '\n[services.img2img.settings]\nbackend = "diffusers"\nmax_steps = 5000\nbogus = 1\n'
+    msg = error_of(write(tmp_path, text), environ={})
+    assert "services.img2img.settings.max_steps: Input should be less than or equal to 1000, got 5000" in msg
+    assert "services.img2img.settings.bogus: unknown key" in msg
+    text = BASE + '\n[services.img2img.settings]\nbackend = "diffusers"\n'
+    msg = error_of(write(tmp_path, text), environ={})
+    assert "services.img2img.settings: Value error, backend 'diffusers' needs model_path" in msg
+
+
+def test_supervisor_imports_no_ml_library():
+    code = ("import sys; import supervisor.cli, supervisor.unit, supervisor.config, supervisor.status; "
+            "from supervisor.config import load_config; load_config('configs/default.toml'); "
+            "bad = [m for m in ('torch', 'onnxruntime', 'cv2', 'diffusers', 'insightface', 'numpy') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
