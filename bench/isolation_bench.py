@@ -1,0 +1,132 @@
+"""Isolation, the reason onecard exists: detect latency alone and while img2img is kept
+saturated, onecard (two services under the supervisor) side by side with the naive
+design (one process, both routes behind one shared single-thread executor). Also
+img2img throughput served vs its bare backend.
+
+    .venv/bin/python -m bench.isolation_bench [--duration 20]
+
+Targets (issue 5): detect p99 under img2img load <= 1.5x detect p99 alone, and >= 5x
+better than the naive baseline's; img2img served/bare throughput >= 0.95.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.common import ROOT, bench_images, pct, service, table, timed_loop, write_result
+from bench.loadgen import run_load
+from tests.harness import SupervisorRun
+
+DETECT = {"backend": "centerface", "max_side": 320}
+IMG2IMG = {"backend": "style", "max_side": 512}
+PNG = {"content-type": "image/png"}
+
+
+async def detect_with_load(detect_url: str, img2img_url: str | None, duration: float, img2img_conc: int) -> dict:
+    images = bench_images()
+    det = run_load(detect_url, lambda i: images[i % 3][0], PNG, 1, duration_s=duration, warmup=2)
+    if img2img_url is None:
+        return {"detect": (await det).summary()}
+    load = run_load(img2img_url, images[0][0], PNG, img2img_conc, duration_s=duration + 2, timeout_s=300)
+    load_task = asyncio.ensure_future(load)
+    await asyncio.sleep(2.0)  # img2img saturated before detect is measured
+    d = await det
+    i = await load_task
+    return {"detect": d.summary(), "img2img": i.summary()}
+
+
+def measure(detect_url: str, img2img_url: str, duration: float, conc: int) -> dict:
+    alone = asyncio.run(detect_with_load(detect_url, None, duration, conc))
+    loaded = asyncio.run(detect_with_load(detect_url, img2img_url, duration, conc))
+    return {"alone": alone, "loaded": loaded}
+
+
+def onecard_run(duration: float, conc: int) -> dict:
+    from tests.harness import fake_service  # noqa: F401 - harness import sets sys.path
+    tmp = Path(tempfile.mkdtemp(prefix="onecard-iso-"))
+    detect = {"app": "services.detect.app:create_app", "port": 0, "threads": 1, "settings": DETECT}
+    img2img = {"app": "services.img2img.app:create_app", "port": 0, "threads": 1, "settings": IMG2IMG}
+    from tests.harness import free_port
+    detect["port"], img2img["port"] = free_port(), free_port()
+    with SupervisorRun(tmp, {"detect": detect, "img2img": img2img}, liveness_period_s=5.0,
+                       startup_timeout_s=300.0) as run:
+        run.wait_ready(timeout=300)
+        return measure(f"http://127.0.0.1:{detect['port']}/api/v1/facedetect",
+                       f"http://127.0.0.1:{img2img['port']}/api/v1/img2img?style=3", duration, conc)
+
+
+def naive_run(duration: float, conc: int) -> dict:
+    with service("bench.naive_app:create_app", {"detect": DETECT, "img2img": IMG2IMG}, threads=2) as svc:
+        return measure(svc.url + "/api/v1/facedetect", svc.url + "/api/v1/img2img?style=3", duration, conc)
+
+
+def img2img_throughput(duration: float, conc: int) -> dict:
+    os.environ["ONECARD_SERVICE_THREADS"] = "1"
+    from services.img2img.backends import StyleBackend
+    from services.img2img.params import Img2ImgItem, Progress
+    from services.img2img.settings import Img2ImgSettings
+    from services.runtime.codec import decode_image, encode_image
+    from services.runtime.threads import apply_threads
+    apply_threads(1)
+    backend = StyleBackend(Img2ImgSettings.model_validate(IMG2IMG), Progress())
+    backend.load()
+    data = bench_images()[0][0]
+
+    def bare_call(i):
+        item = Img2ImgItem(decode_image(data, 10**9).rgb, "", "", 0.75, 1, 0.0, 0, style=3)
+        encode_image(backend.infer_batch([item])[0], "png")
+
+    bare_call(0)
+    bare = timed_loop(bare_call, duration)
+    with service("services.img2img.app:create_app", IMG2IMG, threads=1) as svc:
+        served = asyncio.run(run_load(svc.url + "/api/v1/img2img?style=3", data, PNG, conc, duration_s=duration,
+                                      warmup=2, timeout_s=300))
+    bare_rps = len(bare) / sum(bare)
+    return {"bare_rps": bare_rps, "bare_p50_ms": 1000 * statistics.median(bare), "served": served.summary(),
+            "ratio": served.throughput / bare_rps}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--duration", type=float, default=20.0)
+    ap.add_argument("--img2img-concurrency", type=int, default=2)
+    args = ap.parse_args()
+    ours = onecard_run(args.duration, args.img2img_concurrency)
+    naive = naive_run(args.duration, args.img2img_concurrency)
+    thr = img2img_throughput(args.duration, args.img2img_concurrency)
+
+    def p99(doc, which):
+        return doc[which]["detect"]["p99_ms"]
+
+    ours_ratio = p99(ours, "loaded") / p99(ours, "alone")
+    vs_naive = p99(naive, "loaded") / p99(ours, "loaded")
+    rows = []
+    for name, doc in (("onecard", ours), ("naive", naive)):
+        for which in ("alone", "loaded"):
+            d = doc[which]["detect"]
+            i = doc[which].get("img2img", {})
+            rows.append((name, "detect alone" if which == "alone" else "detect + img2img saturated",
+                         d["p50_ms"], d["p95_ms"], d["p99_ms"], d["throughput_rps"], i.get("throughput_rps", "-"),
+                         {**d["statuses"], **({"img2img": i["statuses"]} if i else {})}))
+    doc = {"duration_s": args.duration, "img2img_concurrency": args.img2img_concurrency, "detect": DETECT,
+           "img2img": IMG2IMG, "onecard": ours, "naive": naive, "img2img_throughput": thr,
+           "detect_p99_loaded_over_alone": ours_ratio, "naive_p99_over_onecard_p99_loaded": vs_naive,
+           "targets": {"loaded_over_alone": 1.5, "naive_over_onecard": 5.0, "img2img_served_over_bare": 0.95}}
+    path = write_result("isolation", doc)
+    print(table(rows, ("design", "scenario", "p50 ms", "p95 ms", "p99 ms", "detect rps", "img2img rps", "statuses")))
+    print(f"onecard detect p99 loaded / alone: {ours_ratio:.2f}  (target <= 1.5)")
+    print(f"naive detect p99 loaded / onecard detect p99 loaded: {vs_naive:.1f}x  (target >= 5)")
+    print(f"img2img served/bare throughput: {thr['ratio']:.2f}  (served {thr['served']['throughput_rps']:.2f} rps, "
+          f"bare {thr['bare_rps']:.2f} rps; target >= 0.95)")
+    print(f"written: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
