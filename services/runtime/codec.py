@@ -63,12 +63,21 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return body
 
 
+SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"BM")
+
+
+def _looks_allowed(data: bytes) -> bool:
+    return data.startswith(SIGNATURES) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP")
+
+
 def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
     if not data:
         raise ApiError(400, "empty_image", "the image is empty")
     try:
         im = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
     except UnidentifiedImageError:
+        if _looks_allowed(data):  # the right magic bytes, broken inside
+            raise ApiError(400, "corrupt_image", "the image header is corrupt") from None
         raise ApiError(415, "unsupported_image", f"not an image in one of {', '.join(ALLOWED_FORMATS)}") from None
     except Exception as exc:  # noqa: BLE001 - any decoder failure is the caller's bad data
         raise ApiError(400, "corrupt_image", f"cannot read the image header: {exc}") from None

@@ -3,7 +3,7 @@
 POST /api/v1/echo?id=X&sleep=S&mode=M with an image body. The backend sleeps S
 seconds per batch (the longest asked), records every id it sees (GET /seen), and
 per mode: "bad" fails that item alone (ValueError), "oom" raises CUDA's OOM text for
-the batch, "boom" raises an unexpected error in the route, "hang" blocks the model.
+the batch, "torch_oom" raises torch.cuda.OutOfMemoryError, "boom" raises an unexpected error in the route, "hang" blocks the model.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ class ScriptedBackend(Backend):
             self.batches.append(ids)
         if any(i["mode"] == "oom" for i in items):
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        if any(i["mode"] == "torch_oom" for i in items):
+            import torch  # torch's own error class, as a CUDA allocation failure raises it
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         if any(i["mode"] == "hang" for i in items):
             time.sleep(max(i["sleep"] for i in items) or 5)
         else:
