@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 from urllib.parse import urlsplit
 
-import httpx
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 
@@ -61,43 +62,74 @@ def check_local(url: str) -> None:
         raise SystemExit(f"loadgen only targets this machine (127.0.0.1/localhost), not {host!r}")
 
 
-async def run_load(url: str, body: bytes | Callable[[int], bytes], headers: dict[str, str], concurrency: int,
-                   total: int | None = None, duration_s: float | None = None, timeout_s: float = 120.0,
-                   warmup: int = 0) -> LoadResult:
-    """POST `body` to `url` from `concurrency` workers until `total` requests or
-    `duration_s` seconds, whichever comes first (at least one must be set)."""
+def run_load_sync(url: str, body: bytes | Callable[[int], bytes], headers: dict[str, str], concurrency: int,
+                  total: int | None = None, duration_s: float | None = None, timeout_s: float = 120.0,
+                  warmup: int = 0) -> LoadResult:
+    """POST `body` to `url` from `concurrency` threads, each with one kept-alive
+    http.client connection, until `total` requests or `duration_s` seconds, whichever
+    comes first (at least one must be set). http.client rather than a richer client
+    library: on a small machine the client shares the CPU with the server, and a lean
+    client takes the least of it."""
     check_local(url)
     if total is None and duration_s is None:
         raise ValueError("bound the load: give total, duration_s or both")
+    parts = urlsplit(url)
+    target = parts.path + (f"?{parts.query}" if parts.query else "")
     result = LoadResult()
-    issued = 0
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
-        for i in range(warmup):
-            await client.post(url, content=body(i) if callable(body) else body, headers=headers)
-        t0 = time.perf_counter()
-        stop_at = t0 + duration_s if duration_s is not None else float("inf")
+    lock = threading.Lock()
+    issued = [0]
 
-        async def worker() -> None:
-            nonlocal issued
-            while (total is None or issued < total) and time.perf_counter() < stop_at:
-                n = issued
-                issued += 1
-                content = body(n) if callable(body) else body
-                t = time.perf_counter()
-                try:
-                    r = await client.post(url, content=content, headers=headers)
-                    await r.aread()
-                except httpx.HTTPError:
+    def connect() -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
+
+    def post(conn: http.client.HTTPConnection, n: int) -> int:
+        conn.request("POST", target, body=body(n) if callable(body) else body, headers=headers)
+        r = conn.getresponse()
+        r.read()
+        return r.status
+
+    conn = connect()
+    for i in range(warmup):
+        post(conn, i)
+    conn.close()
+    t0 = time.perf_counter()
+    stop_at = t0 + duration_s if duration_s is not None else float("inf")
+
+    def worker() -> None:
+        conn = connect()
+        while time.perf_counter() < stop_at:
+            with lock:
+                if total is not None and issued[0] >= total:
+                    break
+                n = issued[0]
+                issued[0] += 1
+            t = time.perf_counter()
+            try:
+                status = post(conn, n)
+            except (OSError, http.client.HTTPException):
+                with lock:
                     result.errors += 1
-                    continue
-                result.statuses[r.status_code] = result.statuses.get(r.status_code, 0) + 1
-                if r.status_code < 400:
+                conn.close()
+                conn = connect()
+                continue
+            with lock:
+                result.statuses[status] = result.statuses.get(status, 0) + 1
+                if status < 400:
                     result.latencies_s.append(time.perf_counter() - t)
+        conn.close()
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        result.elapsed_s = time.perf_counter() - t0
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    result.elapsed_s = time.perf_counter() - t0
     return result
+
+
+async def run_load(*args, **kwargs) -> LoadResult:
+    """run_load_sync off the event loop, so that several loads can run side by side."""
+    return await asyncio.to_thread(run_load_sync, *args, **kwargs)
 
 
 def main() -> int:

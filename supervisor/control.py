@@ -48,13 +48,21 @@ def prepare_socket_path(path: str) -> None:
             probe.close()
 
 
-class ControlServer:
+class _Server:
+    _server: asyncio.AbstractServer | None = None
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
+class ControlServer(_Server):
     """Unix socket: a client sends one line (``status``), gets one JSON document back."""
 
     def __init__(self, path: str, snapshot: Callable[[], dict[str, Any]]):
         self.path = path
         self.snapshot = snapshot
-        self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
         prepare_socket_path(self.path)
@@ -82,21 +90,19 @@ class ControlServer:
 
     async def close(self) -> None:
         if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+            await super().close()
             try:
                 os.unlink(self.path)
             except OSError:
                 pass
 
 
-class HealthServer:
+class HealthServer(_Server):
     """A tiny HTTP/1.1 server for orchestrator probes. ``routes`` maps a path to a
     function returning (status, content type, body)."""
 
     def __init__(self, host: str, port: int, routes: dict[str, Callable[[], tuple[int, str, str]]]):
         self.host, self.port, self.routes = host, port, routes
-        self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
         try:
@@ -129,8 +135,3 @@ class HealthServer:
             pass
         finally:
             writer.close()
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()

@@ -137,19 +137,20 @@ def main(socket_arg: str | None, config_path: str | None, as_json: bool, watch: 
     except Unreachable as exc:
         print(f"onecard status: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
-    while True:
-        try:
-            doc = fetch(path)
-        except Unreachable as exc:
-            print(f"onecard status: {exc}", file=sys.stderr)
-            return EXIT_UNREACHABLE
-        text = json.dumps(doc, indent=None if watch else 2) if as_json else render_table(doc)
-        if not watch:
-            print(text)
-            return exit_code_for(doc)
-        sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + path + "\n\n" + text + "\n")
-        sys.stdout.flush()
-        try:
+    doc: dict[str, Any] | None = None
+    try:
+        while True:
+            try:
+                doc = fetch(path)
+            except Unreachable as exc:
+                print(f"onecard status: {exc}", file=sys.stderr)
+                return EXIT_UNREACHABLE
+            text = json.dumps(doc, indent=None if watch else 2) if as_json else render_table(doc)
+            if not watch:
+                print(text)
+                return exit_code_for(doc)
+            sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + path + "\n\n" + text + "\n")
+            sys.stdout.flush()
             time.sleep(interval)
-        except KeyboardInterrupt:
-            return exit_code_for(doc)
+    except KeyboardInterrupt:  # --watch ends with Ctrl-C
+        return EXIT_UNREACHABLE if doc is None else exit_code_for(doc)

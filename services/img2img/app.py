@@ -4,7 +4,6 @@ and /sdapi/v1/progress."""
 from __future__ import annotations
 
 import base64
-import io
 import json
 import os
 import time
@@ -20,7 +19,7 @@ from services.img2img.params import (Img2ImgItem, Img2ImgParams, Progress, Webui
                                      validate)
 from services.img2img.settings import Img2ImgSettings
 from services.runtime.app import ServiceContext, create_service_app
-from services.runtime.codec import Timing, decode_image, encode_image, read_body
+from services.runtime.codec import Timing, decode_base64, decode_image, encode_image, read_json_object
 from services.runtime.errors import ApiError
 
 IMAGE_BODY = {"content": {
@@ -43,13 +42,7 @@ def _style_image(params: dict[str, Any], form_file: bytes | None, max_pixels: in
         return decode_image(form_file, max_pixels).rgb
     if raw is None:
         return None
-    if not isinstance(raw, str):
-        raise ApiError(422, "invalid_parameter", "style_image: expected a base64 string")
-    try:
-        data = base64.b64decode(raw.partition(",")[2] if raw.startswith("data:") else raw, validate=True)
-    except ValueError:
-        raise ApiError(400, "bad_base64", "style_image: not valid base64") from None
-    return decode_image(data, max_pixels).rgb
+    return decode_image(decode_base64(raw, "style_image"), max_pixels).rgb
 
 
 def add_routes(app: FastAPI, ctx: ServiceContext, cfg: Img2ImgSettings, progress: Progress) -> None:
@@ -100,21 +93,10 @@ def add_routes(app: FastAPI, ctx: ServiceContext, cfg: Img2ImgSettings, progress
     async def sdapi_img2img(request: Request) -> Any:
         timing = Timing()
         t0 = time.perf_counter()
-        body = await read_body(request, cfg.max_body_bytes)
-        try:
-            doc = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise ApiError(400, "bad_json", "the body is not valid JSON") from None
-        if not isinstance(doc, dict):
-            raise ApiError(422, "invalid_parameter", "body: expected a JSON object")
+        doc = await read_json_object(request, cfg.max_body_bytes)
         req = validate(WebuiImg2ImgRequest, doc)
         check_prompt(req.prompt, req.negative_prompt)
-        raw = req.init_images[0]
-        try:
-            data = base64.b64decode(raw.partition(",")[2] if raw.startswith("data:") else raw, validate=True)
-        except ValueError:
-            raise ApiError(400, "bad_base64", "init_images.0: not valid base64") from None
-        image = decode_image(data, cfg.max_pixels)
+        image = decode_image(decode_base64(req.init_images[0], "init_images.0"), cfg.max_pixels)
         timing.add("decode", time.perf_counter() - t0)
         ctx.check_size(image.width, image.height)
         size = (req.width or image.width, req.height or image.height)

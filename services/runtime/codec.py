@@ -95,7 +95,8 @@ def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
     return DecodedImage(rgb, width, height, im.format or "")
 
 
-def _b64(text: Any, name: str) -> bytes:
+def decode_base64(text: Any, name: str) -> bytes:
+    """A base64 field (a data: URL prefix is allowed); 422 when not a string, 400 when garbled."""
     if not isinstance(text, str):
         raise ApiError(422, "invalid_parameter", f"{name}: expected a base64 string")
     if text.startswith("data:"):
@@ -106,6 +107,17 @@ def _b64(text: Any, name: str) -> bytes:
         raise ApiError(400, "bad_base64", f"{name}: not valid base64") from None
 
 
+async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
+    body = await read_body(request, max_bytes)
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(400, "bad_json", "the body is not valid JSON") from None
+    if not isinstance(doc, dict):
+        raise ApiError(422, "invalid_parameter", "body: expected a JSON object")
+    return doc
+
+
 async def read_image_request(request: Request, max_bytes: int, max_pixels: int,
                              image_field: str = "image") -> ImageRequest:
     ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
@@ -113,16 +125,10 @@ async def read_image_request(request: Request, max_bytes: int, max_pixels: int,
         data = await read_body(request, max_bytes)
         return ImageRequest(decode_image(data, max_pixels), {}, data)
     if ctype == "application/json":
-        body = await read_body(request, max_bytes)
-        try:
-            doc = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise ApiError(400, "bad_json", "the body is not valid JSON") from None
-        if not isinstance(doc, dict):
-            raise ApiError(422, "invalid_parameter", "body: expected a JSON object")
+        doc = await read_json_object(request, max_bytes)
         if image_field not in doc:
             raise ApiError(422, "invalid_parameter", f"{image_field}: field required")
-        data = _b64(doc.pop(image_field), image_field)
+        data = decode_base64(doc.pop(image_field), image_field)
         return ImageRequest(decode_image(data, max_pixels), doc, data)
     if ctype == "multipart/form-data":
         await read_body(request, max_bytes)

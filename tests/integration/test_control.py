@@ -133,3 +133,21 @@ def test_json_log_format(tmp_path):
         assert {r["source"] for r in records} == {"onecard", "a"}
         assert all({"ts", "source", "level", "msg"} <= set(r) for r in records)
         assert any(r["source"] == "a" and "Application startup complete." in r["msg"] for r in records)
+
+
+def test_status_watch_refreshes_until_ctrl_c(tmp_path):
+    with SupervisorRun(tmp_path, {"a": fake_service()}) as run:
+        run.wait_ready()
+        p = subprocess.Popen([sys.executable, "-m", "supervisor", "status", "--socket", run.socket, "--watch",
+                              "--interval", "0.2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+        try:
+            time.sleep(2.0)
+            p.send_signal(signal.SIGINT)
+            out, err = p.communicate(timeout=10)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        assert p.returncode == 0, err
+        assert out.count("SERVICE") >= 3 and "Traceback" not in err
