@@ -91,14 +91,6 @@ class Supervisor:
             for server in servers:
                 await server.close()
             return EXIT_CONTROL_FAILED
-        if self.mps is not None:
-            try:
-                await asyncio.to_thread(self.mps.start)
-            except MpsError as exc:
-                self.log.error(f"MPS: {exc}")
-                for server in servers:
-                    await server.close()
-                return EXIT_MPS_FAILED
         for sig in HANDLED_SIGNALS:
             loop.add_signal_handler(sig, getattr(self, f"handle_{sig.name.lower()}"))
         try:
@@ -106,7 +98,10 @@ class Supervisor:
             for warning in self.plan.warnings:
                 self.log.warning(warning)
             self._tasks.append(loop.create_task(self._sample_throttling()))
-            self._spawn_all(loop)
+            if self.mps is not None:
+                await self._start_mps()
+            if not self.stopping:
+                self._spawn_all(loop)
             if not self.stopping:
                 self._tasks.append(loop.create_task(self._startup()))
             self._on_sigchld()  # a child may have died before the handler could see it
@@ -129,6 +124,17 @@ class Supervisor:
         code = self.exit_code if self.exit_code is not None else 0
         self.log.info(f"exit {code}: {self.stop_reason}")
         return code
+
+    async def _start_mps(self) -> None:
+        """Before any service: a daemon that will not start stops the unit with nothing started.
+        A signal that arrives meanwhile waits in the queue and is handled after."""
+        try:
+            await asyncio.to_thread(self.mps.start)
+        except MpsError as exc:
+            self.log.error(f"MPS: {exc}")
+            self.stopping = True
+            self.exit_code = EXIT_MPS_FAILED
+            self.stop_reason = f"MPS control daemon did not start: {exc}"
 
     def _servers(self) -> list:
         servers: list = [ControlServer(self.settings.control_socket, lambda: report.snapshot(self))]

@@ -179,9 +179,9 @@ def create_service_app(name: str, settings: RuntimeSettings, backend: Backend,
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz():
-        busy = ctx.scheduler.worker.busy_for() if ctx.scheduler else 0.0
-        if busy > settings.inference_timeout_s:
-            return JSONResponse({"status": "stuck", "model_call_running_s": round(busy, 1)}, status_code=503)
+        problem = ctx.scheduler.problem() if ctx.scheduler else None
+        if problem:
+            return JSONResponse({"status": "stuck", "reason": problem}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/readyz", include_in_schema=False)

@@ -102,6 +102,15 @@ class Scheduler:
             await asyncio.gather(self._loop_task, return_exceptions=True)
         self.worker.shutdown()
 
+    def problem(self) -> str | None:
+        """Why the model side cannot serve (for /healthz), or None."""
+        if self._loop_task is not None and self._loop_task.done():
+            return "the batch loop has stopped"
+        busy = self.worker.busy_for()
+        if busy > self.settings.inference_timeout_s:
+            return f"a model call has been running for {busy:.1f} s"
+        return None
+
     @property
     def queue_depth(self) -> int:
         return len(self._pending) if self.batching else self.lock.waiting
@@ -185,15 +194,18 @@ class Scheduler:
         self._pending.append(item)
         self._wake.set()
         waiters = {item.future} if gone is None else {item.future, gone}
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waiters, timeout=max(0.0, deadline - time.perf_counter()),
+                           return_when=asyncio.FIRST_COMPLETED)
         if not item.future.done() and not item.started:
             item.dropped = True
             try:
                 self._pending.remove(item)
             except ValueError:
                 pass
-            self.metrics.dropped.labels("client_gone").inc()
-            raise ClientGone()
+            if gone is not None and gone.done():
+                self.metrics.dropped.labels("client_gone").inc()
+                raise ClientGone()
+            raise self._expired(deadline)
         result = await item.future
         timing.stages.update(getattr(item, "timing", {}))
         return self._unwrap(result)

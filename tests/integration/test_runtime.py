@@ -50,8 +50,10 @@ def test_queue_limit_gives_503_with_retry_after(tmp_path):
         assert post(svc, "?id=after").status_code == 200  # still serving
 
 
-def test_deadline_gives_504_and_the_work_is_never_started(tmp_path):
-    with ServiceProcess(APP, {"request_timeout_s": 0.5, "max_batch_size": 1}, tmp_path) as svc:
+@pytest.mark.parametrize("batching", [False, True])
+def test_deadline_gives_504_and_the_work_is_never_started(tmp_path, batching):
+    settings = {"request_timeout_s": 0.5, "batching": batching, "max_batch_size": 4 if batching else 1}
+    with ServiceProcess(APP, settings, tmp_path) as svc:
         slow, late = parallel([lambda: post(svc, "?id=slow&sleep=1.2"),
                                lambda: (time.sleep(0.1), post(svc, "?id=late"))[1]])
         assert slow.status_code == 200
