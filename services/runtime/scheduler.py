@@ -118,7 +118,8 @@ class Scheduler:
     # ---- the one entry point ----------------------------------------------------------
     async def submit(self, payload: Any, timing: Timing, receive: Callable | None) -> Any:
         s = self.settings
-        if self.queue_depth >= s.max_queue:
+        would_wait = self.lock.locked() or self.queue_depth > 0
+        if would_wait and self.queue_depth >= s.max_queue:  # max_queue 0: only straight to the model
             self.metrics.dropped.labels("queue_full").inc()
             raise ApiError(503, "overloaded", f"{self.queue_depth} requests are waiting (max_queue {s.max_queue})",
                            {"Retry-After": str(s.retry_after_s)})

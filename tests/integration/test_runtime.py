@@ -214,3 +214,11 @@ def test_service_exits_when_its_parent_disappears(tmp_path):
             except OSError:
                 pass
         parent.wait(5)
+
+
+def test_max_queue_zero_serves_one_at_a_time_and_refuses_waiters(tmp_path):
+    with ServiceProcess(APP, {"max_queue": 0, "max_batch_size": 1}, tmp_path) as svc:
+        assert post(svc, "?id=alone").status_code == 200  # nothing to wait for: served
+        first, second = parallel([lambda: post(svc, "?id=first&sleep=0.6"),
+                                  lambda: (time.sleep(0.2), post(svc, "?id=second"))[1]])
+        assert first.status_code == 200 and second.status_code == 503
