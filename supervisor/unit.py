@@ -208,7 +208,8 @@ class Supervisor:
             child.exit_code = exit_code_of(status)
             child.exited_at = self.os.monotonic()
             if self.stopping:
-                self.log.info(f"{child.name}: exited with code {child.exit_code}")
+                how = " (it was told to stop)" if child.exit_code == 128 + signal.SIGTERM else ""
+                self.log.info(f"{child.name}: exited with code {child.exit_code}{how}")
             else:
                 self.log.error(f"{child.name}: exited with code {child.exit_code}; stopping every service")
                 self._begin_stop(child.exit_code, f"{child.name} exited with code {child.exit_code}",

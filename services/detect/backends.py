@@ -129,7 +129,26 @@ class CenterFaceBackend(Backend):
                 "dtype": "float32", "providers": providers, "input_canvas": self.canvas}
 
 
-class HaarBackend(Backend):
+class _PerImageBackend(Backend):
+    """Backends whose model takes one image at a time: each item runs, and fails, alone."""
+
+    def warmup_items(self) -> list[Any]:
+        return [DetectItem(_warm_image(), 0.5, None)]
+
+    def infer_batch(self, items: list[DetectItem]) -> list[Any]:
+        out: list[Any] = []
+        for it in items:
+            try:
+                out.append(_limit(self._detect(it), it.max_faces))
+            except Exception as exc:  # noqa: BLE001 - returned, so that it fails only its own request
+                out.append(exc)
+        return out
+
+    def _detect(self, item: DetectItem) -> list[dict]:
+        raise NotImplementedError
+
+
+class HaarBackend(_PerImageBackend):
     """OpenCV's Haar cascade: no score (reported as 1.0), no landmarks."""
 
     name = "haar"
@@ -147,23 +166,16 @@ class HaarBackend(Backend):
             raise RuntimeError(f"cannot load the Haar cascade {path}")
         self.cascade, self.path = cascade, path
 
-    def warmup_items(self) -> list[Any]:
-        return [DetectItem(_warm_image(), 0.5, None)]
-
-    def infer_batch(self, items: list[DetectItem]) -> list[Any]:
-        out = []
-        for it in items:
-            gray = cv2.cvtColor(it.rgb, cv2.COLOR_RGB2GRAY)
-            found = self.cascade.detectMultiScale(gray, scaleFactor=1.1, minNeighbors=5, minSize=(24, 24))
-            faces = [_face((x, y, x + w, y + h), 1.0, []) for (x, y, w, h) in found]
-            out.append(_limit(faces, it.max_faces))
-        return out
+    def _detect(self, item: DetectItem) -> list[dict]:
+        gray = cv2.cvtColor(item.rgb, cv2.COLOR_RGB2GRAY)
+        found = self.cascade.detectMultiScale(gray, scaleFactor=1.1, minNeighbors=5, minSize=(24, 24))
+        return [_face((x, y, x + w, y + h), 1.0, []) for (x, y, w, h) in found]
 
     def info(self) -> dict[str, Any]:
         return {"backend": self.name, "model": self.settings.haar_cascade, "device": "cpu", "dtype": "uint8"}
 
 
-class InsightFaceBackend(Backend):
+class InsightFaceBackend(_PerImageBackend):
     """SCRFD through insightface's model zoo, from a user's pack directory or ONNX path."""
 
     name = "insightface"
@@ -192,21 +204,11 @@ class InsightFaceBackend(Backend):
         model.prepare(0 if use_cuda else -1, input_size=size, det_thresh=0.05, nms_thresh=self.settings.nms_threshold)
         self.model, self.size = model, size
 
-    def warmup_items(self) -> list[Any]:
-        return [DetectItem(_warm_image(), 0.5, None)]
-
-    def infer_batch(self, items: list[DetectItem]) -> list[Any]:
-        out = []
-        for it in items:
-            bgr = np.ascontiguousarray(it.rgb[:, :, ::-1])
-            boxes, kpss = self.model.detect(bgr, input_size=self.size, max_num=it.max_faces or 0,
-                                            det_thresh=it.min_score)
-            faces = []
-            for i in range(len(boxes)):
-                marks = kpss[i] if kpss is not None else []
-                faces.append(_face(boxes[i, :4], boxes[i, 4], marks))
-            out.append(_limit(faces, it.max_faces))
-        return out
+    def _detect(self, item: DetectItem) -> list[dict]:
+        bgr = np.ascontiguousarray(item.rgb[:, :, ::-1])
+        boxes, kpss = self.model.detect(bgr, input_size=self.size, max_num=item.max_faces or 0,
+                                        det_thresh=item.min_score)
+        return [_face(boxes[i, :4], boxes[i, 4], kpss[i] if kpss is not None else []) for i in range(len(boxes))]
 
     def info(self) -> dict[str, Any]:
         return {"backend": self.name, "model": getattr(self, "model_file", None),
