@@ -17,6 +17,9 @@ import threading
 import time
 
 
+EXIT_START_FAILED = 78  # EX_CONFIG
+
+
 def watch_parent(period_s: float = 0.5) -> None:
     """Exit when the supervisor disappears (belt and braces next to PR_SET_PDEATHSIG)."""
     parent = os.getppid()
@@ -59,9 +62,14 @@ def main() -> int:
         http="httptools",
     )
     server = uvicorn.Server(config)
-    server.run()
-    # uvicorn returns normally after a graceful drain; a failed start-up leaves started False.
-    return 0 if server.started else 3
+    try:
+        server.run()
+    except SystemExit:
+        if server.started:
+            raise
+    # A failed start-up (the model would not load, the port is taken) leaves started False:
+    # exit with EX_CONFIG so that the supervisor's exit code says the service could not start.
+    return 0 if server.started else EXIT_START_FAILED
 
 
 if __name__ == "__main__":

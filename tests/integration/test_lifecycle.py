@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from tests.harness import SupervisorRun, fake_service, http_get
+from tests.harness import SupervisorRun, fake_service, free_port, http_get
 
 
 def _assert_clean(run: SupervisorRun) -> None:
@@ -213,4 +213,16 @@ def test_as_pid_1_it_reaps_orphans_it_did_not_start(tmp_path):
         assert not [p for p in pid1.children(recursive=True) if p.status() == psutil.STATUS_ZOMBIE]
         pid1.send_signal(signal.SIGTERM)
         assert run.wait_exit(10) == 0
+        _assert_clean(run)
+
+
+def test_a_service_whose_model_does_not_load_stops_the_unit_with_78(tmp_path):
+    services = {"broken": {"app": "services.detect.app:create_app", "port": free_port(), "threads": 1,
+                           "settings": {"backend": "haar", "haar_cascade": "/nonexistent/cascade.xml"}},
+                "ok": fake_service()}
+    with SupervisorRun(tmp_path, services) as run:
+        assert run.wait_exit(60) == 78
+        out = run.output()
+        assert "cannot load the Haar cascade /nonexistent/cascade.xml" in out
+        assert "broken: exited with code 78; stopping every service" in out
         _assert_clean(run)
