@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -63,6 +62,3 @@ def table(rows: list[tuple], header: tuple) -> str:
     lines += ["  ".join(str(v).ljust(w) for v, w in zip(r, widths)) for r in rows]
     return "\n".join(lines)
 
-
-def fmean(v: list[float]) -> float:
-    return statistics.fmean(v) if v else float("nan")

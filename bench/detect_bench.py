@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 
-from bench.common import bench_images, fmean, pct, service, table, timed_loop, write_result
+from bench.common import bench_images, pct, service, table, timed_loop, write_result
 
 APP = "services.detect.app:create_app"
 THREADS = 1

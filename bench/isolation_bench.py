@@ -19,9 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import ROOT, bench_images, pct, service, table, timed_loop, write_result
+from bench.common import bench_images, service, table, timed_loop, write_result
 from bench.loadgen import run_load
-from tests.harness import SupervisorRun
+from tests.harness import SupervisorRun, free_port
 
 DETECT = {"backend": "centerface", "max_side": 320}
 IMG2IMG = {"backend": "style", "max_side": 512}
@@ -48,12 +48,9 @@ def measure(detect_url: str, img2img_url: str, duration: float, conc: int) -> di
 
 
 def onecard_run(duration: float, conc: int) -> dict:
-    from tests.harness import fake_service  # noqa: F401 - harness import sets sys.path
     tmp = Path(tempfile.mkdtemp(prefix="onecard-iso-"))
-    detect = {"app": "services.detect.app:create_app", "port": 0, "threads": 1, "settings": DETECT}
-    img2img = {"app": "services.img2img.app:create_app", "port": 0, "threads": 1, "settings": IMG2IMG}
-    from tests.harness import free_port
-    detect["port"], img2img["port"] = free_port(), free_port()
+    detect = {"app": "services.detect.app:create_app", "port": free_port(), "threads": 1, "settings": DETECT}
+    img2img = {"app": "services.img2img.app:create_app", "port": free_port(), "threads": 1, "settings": IMG2IMG}
     with SupervisorRun(tmp, {"detect": detect, "img2img": img2img}, liveness_period_s=5.0,
                        startup_timeout_s=300.0) as run:
         run.wait_ready(timeout=300)

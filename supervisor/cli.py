@@ -7,7 +7,6 @@ them, so that `onecard status` stays fast enough to be an exec probe.
 from __future__ import annotations
 
 import os
-import sys
 from typing import List, Optional
 
 import typer

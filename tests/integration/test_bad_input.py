@@ -9,10 +9,9 @@ import json
 
 import httpx
 import numpy as np
-import pytest
 from PIL import Image
 
-from tests.images import astronaut, encode, pixel_bomb_png, small_png
+from tests.images import encode, pixel_bomb_png, small_png
 from tests.service_harness import ServiceProcess
 
 LIMITS = {"max_body_bytes": 2_000_000, "max_pixels": 4_000_000}

@@ -20,7 +20,7 @@ class DefaultConfigRun(SupervisorRun):
         self.config = ROOT / "configs" / "default.toml"
         self.ports = {name: free_port() for name in ("detect", "img2img")}
         self.extra_args = ["--set", f"supervisor.health_port={self.health_port}",
-                           "--set", f'supervisor.health_host="127.0.0.1"',
+                           "--set", 'supervisor.health_host="127.0.0.1"',
                            "--set", f'supervisor.control_socket="{self.socket}"',
                            "--set", "supervisor.liveness_period_s=1"]
         for name, port in self.ports.items():

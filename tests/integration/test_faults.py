@@ -3,7 +3,6 @@ slow clients, clients leaving while queued. Real processes, real sockets, real s
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import os
 import random

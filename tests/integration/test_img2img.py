@@ -4,7 +4,6 @@ loaded through the real config path, and the webui-compatible API."""
 from __future__ import annotations
 
 import base64
-import concurrent.futures
 import io
 import json
 import socket

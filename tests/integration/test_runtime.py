@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
-import json
 import os
 import signal
 import socket
@@ -18,7 +17,7 @@ import psutil
 import pytest
 
 from tests.harness import ROOT
-from tests.images import encode, pixel_bomb_png, small_png
+from tests.images import pixel_bomb_png, small_png
 from tests.service_harness import ServiceProcess
 
 APP = "tests.children.scripted_app:create_app"
