@@ -152,8 +152,6 @@ class DiffusersBackend(Backend):
         pipe.set_progress_bar_config(disable=True)
         self.pipe = pipe.to(self.device)
         self._schedulers["default"] = self.pipe.scheduler
-        if s.scheduler != "default":
-            self.pipe.scheduler = self._scheduler(s.scheduler)
 
     def _scheduler(self, key: str):
         if key not in self._schedulers:
@@ -175,9 +173,10 @@ class DiffusersBackend(Backend):
         image = _fit(item.rgb, self.settings.max_side, 8)
         if item.size is not None:
             image = image.resize((max(8, item.size[0] // 8 * 8), max(8, item.size[1] // 8 * 8)), Image.LANCZOS)
-        scheduler = self._scheduler(WEBUI_SAMPLERS.get((item.sampler or "").lower(), self.settings.scheduler)) \
-            if item.sampler else self.pipe.scheduler
-        self.pipe.scheduler = scheduler
+        # Chosen per request (calls are serialized on the model thread): a webui sampler_name
+        # applies to its own request only; every other request gets the configured one.
+        key = WEBUI_SAMPLERS.get((item.sampler or "").lower(), self.settings.scheduler)
+        scheduler = self.pipe.scheduler = self._scheduler(key)
         limit = int(scheduler.config.get("num_train_timesteps", 1000)) - 1
         if item.steps > limit:
             raise ApiError(422, "invalid_parameter", f"steps: at most {limit} for this model's scheduler")
@@ -218,7 +217,7 @@ class DiffusersBackend(Backend):
     def info(self) -> dict[str, Any]:
         return {"backend": self.name, "model": self.settings.model_path, "device": getattr(self, "device", None),
                 "dtype": str(getattr(self, "dtype", "")).replace("torch.", ""),
-                "scheduler": type(self.pipe.scheduler).__name__ if self.pipe else None,
+                "scheduler": type(self._scheduler(self.settings.scheduler)).__name__ if self.pipe else None,
                 "safety_checker": self.settings.safety_checker,
                 "gpu_memory_fraction": getattr(self, "memory_fraction", None)}
 

@@ -133,11 +133,15 @@ def test_diffusers_is_deterministic_by_seed(diffusers_svc):
     assert info["scheduler"] == "DDIMScheduler"
 
 
-def test_diffusers_webui_sampler(diffusers_svc):
+def test_diffusers_webui_sampler_applies_to_its_own_request_only(diffusers_svc):
+    before = post(diffusers_svc, "?seed=1&steps=4&strength=0.8", body=small_input())
     body = {"init_images": [base64.b64encode(small_input()).decode()], "steps": 3, "seed": 5,
             "sampler_name": "Euler a"}
     r = httpx.post(diffusers_svc.url + "/sdapi/v1/img2img", json=body, timeout=60)
     assert r.status_code == 200 and json.loads(r.json()["info"])["sampler_name"] == "Euler a"
+    after = post(diffusers_svc, "?seed=1&steps=4&strength=0.8", body=small_input())
+    assert after.content == before.content  # back on the configured scheduler
+    assert httpx.get(diffusers_svc.url + "/info").json()["scheduler"] == "DDIMScheduler"
 
 
 def _progress(svc):
