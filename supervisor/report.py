@@ -26,12 +26,19 @@ STAT_KEYS = ("queue_depth", "in_flight", "served", "errors", "latency_p50_ms", "
 _cpu_marks: dict[int, tuple[float, float]] = {}
 
 
-def _tree_times(pid: int) -> tuple[float, int] | None:
-    """CPU seconds and RSS of a process and everything below it."""
+def _tree(pid: int) -> list[psutil.Process] | None:
+    """A process and everything below it, or None when it is gone."""
     try:
         root = psutil.Process(pid)
-        procs = [root] + root.children(recursive=True)
+        return [root] + root.children(recursive=True)
     except psutil.Error:
+        return None
+
+
+def _tree_times(pid: int) -> tuple[float, int] | None:
+    """CPU seconds and RSS of a process and everything below it."""
+    procs = _tree(pid)
+    if procs is None:
         return None
     cpu, rss = 0.0, 0
     for p in procs:
@@ -81,11 +88,8 @@ def absorb_stats(child: ChildProcess, result: ProbeResult) -> None:
 def _tree_pids(pid: int | None) -> set[int]:
     if pid is None:
         return set()
-    try:
-        root = psutil.Process(pid)
-        return {pid} | {p.pid for p in root.children(recursive=True)}
-    except psutil.Error:
-        return {pid}
+    procs = _tree(pid)
+    return {pid} if procs is None else {p.pid for p in procs}
 
 
 def _gpu_memory(child: ChildProcess, gpu: dict[str, Any]) -> tuple[int | None, str | None]:
@@ -174,80 +178,57 @@ def _esc(v: str) -> str:
     return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def _family(out: list[str], name: str, kind: str, help_text: str,
+            samples: list[tuple[dict[str, str], Any]]) -> None:
+    """One metric family: HELP, TYPE and its samples (value already formatted)."""
+    out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+    for labels, value in samples:
+        label_text = ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items())
+        out.append(f"{name}{{{label_text}}} {value}" if labels else f"{name} {value}")
+
+
 def metrics_text(sup: "Supervisor") -> str:
-    """Prometheus text exposition: per-service up, state, exits, CPU seconds, RSS."""
+    """Prometheus text exposition: services, GPU, CPU quota and throttling, readiness."""
     for child in sup.children:
         sample_resources(child)
-    out = [
-        "# HELP onecard_service_up 1 while the service process is alive.",
-        "# TYPE onecard_service_up gauge",
-    ]
-    for c in sup.children:
-        out.append(f'onecard_service_up{{service="{_esc(c.name)}"}} {1 if c.alive else 0}')
-    out += ["# HELP onecard_service_state 1 for the state the service is in.",
-            "# TYPE onecard_service_state gauge"]
-    for c in sup.children:
-        for st in State:
-            out.append(f'onecard_service_state{{service="{_esc(c.name)}",state="{st.value}"}} '
-                       f'{1 if c.state == st else 0}')
-    out += ["# HELP onecard_service_exits_total Exits of the service process seen by the supervisor.",
-            "# TYPE onecard_service_exits_total counter"]
-    for c in sup.children:
-        out.append(f'onecard_service_exits_total{{service="{_esc(c.name)}"}} {1 if c.exit_code is not None else 0}')
-    out += ["# HELP onecard_service_cpu_seconds_total CPU time of the service's process tree.",
-            "# TYPE onecard_service_cpu_seconds_total counter"]
-    for c in sup.children:
-        if c.cpu_seconds is not None:
-            out.append(f'onecard_service_cpu_seconds_total{{service="{_esc(c.name)}"}} {c.cpu_seconds:.3f}')
-    out += ["# HELP onecard_service_rss_bytes Resident memory of the service's process tree.",
-            "# TYPE onecard_service_rss_bytes gauge"]
-    for c in sup.children:
-        if c.rss_bytes is not None:
-            out.append(f'onecard_service_rss_bytes{{service="{_esc(c.name)}"}} {c.rss_bytes}')
-    out += ["# HELP onecard_service_liveness_misses Liveness probes missed in a row.",
-            "# TYPE onecard_service_liveness_misses gauge"]
-    for c in sup.children:
-        out.append(f'onecard_service_liveness_misses{{service="{_esc(c.name)}"}} {c.liveness_misses}')
+    kids = sup.children
+    out: list[str] = []
+    _family(out, "onecard_service_up", "gauge", "1 while the service process is alive.",
+            [({"service": c.name}, 1 if c.alive else 0) for c in kids])
+    _family(out, "onecard_service_state", "gauge", "1 for the state the service is in.",
+            [({"service": c.name, "state": st.value}, 1 if c.state == st else 0) for c in kids for st in State])
+    _family(out, "onecard_service_exits_total", "counter", "Exits of the service process seen by the supervisor.",
+            [({"service": c.name}, 1 if c.exit_code is not None else 0) for c in kids])
+    _family(out, "onecard_service_cpu_seconds_total", "counter", "CPU time of the service's process tree.",
+            [({"service": c.name}, f"{c.cpu_seconds:.3f}") for c in kids if c.cpu_seconds is not None])
+    _family(out, "onecard_service_rss_bytes", "gauge", "Resident memory of the service's process tree.",
+            [({"service": c.name}, c.rss_bytes) for c in kids if c.rss_bytes is not None])
+    _family(out, "onecard_service_liveness_misses", "gauge", "Liveness probes missed in a row.",
+            [({"service": c.name}, c.liveness_misses) for c in kids])
     gpu = gpu_facts(sup)
-    out += ["# HELP onecard_gpu_available 1 when NVML sees the GPU.",
-            "# TYPE onecard_gpu_available gauge",
-            f"onecard_gpu_available {1 if gpu.get('available') else 0}"]
+    _family(out, "onecard_gpu_available", "gauge", "1 when NVML sees the GPU.",
+            [({}, 1 if gpu.get("available") else 0)])
     if gpu.get("available"):
-        out += ["# HELP onecard_gpu_memory_used_bytes GPU memory in use (all processes).",
-                "# TYPE onecard_gpu_memory_used_bytes gauge",
-                f"onecard_gpu_memory_used_bytes {gpu['memory_used_bytes']}",
-                "# HELP onecard_gpu_memory_total_bytes GPU memory of the card.",
-                "# TYPE onecard_gpu_memory_total_bytes gauge",
-                f"onecard_gpu_memory_total_bytes {gpu['memory_total_bytes']}"]
+        _family(out, "onecard_gpu_memory_used_bytes", "gauge", "GPU memory in use (all processes).",
+                [({}, gpu["memory_used_bytes"])])
+        _family(out, "onecard_gpu_memory_total_bytes", "gauge", "GPU memory of the card.",
+                [({}, gpu["memory_total_bytes"])])
         if gpu.get("utilization_percent") is not None:
-            out += ["# HELP onecard_gpu_utilization_percent GPU utilization.",
-                    "# TYPE onecard_gpu_utilization_percent gauge",
-                    f"onecard_gpu_utilization_percent {gpu['utilization_percent']}"]
-    out += ["# HELP onecard_service_gpu_memory_bytes GPU memory per service; source nvml or service.",
-            "# TYPE onecard_service_gpu_memory_bytes gauge"]
-    for c in sup.children:
-        used, source = _gpu_memory(c, gpu)
-        if used is not None:
-            out.append(f'onecard_service_gpu_memory_bytes{{service="{_esc(c.name)}",source="{source}"}} {used}')
-    q = sup.plan.quota
-    out += ["# HELP onecard_cpu_quota_cpus CPUs this container may use (cgroup quota and affinity).",
-            "# TYPE onecard_cpu_quota_cpus gauge",
-            f"onecard_cpu_quota_cpus {q.cpus:g}"]
+            _family(out, "onecard_gpu_utilization_percent", "gauge", "GPU utilization.",
+                    [({}, gpu["utilization_percent"])])
+    per_service = [(c, *_gpu_memory(c, gpu)) for c in kids]
+    _family(out, "onecard_service_gpu_memory_bytes", "gauge", "GPU memory per service; source nvml or service.",
+            [({"service": c.name, "source": source}, used) for c, used, source in per_service if used is not None])
+    _family(out, "onecard_cpu_quota_cpus", "gauge", "CPUs this container may use (cgroup quota and affinity).",
+            [({}, f"{sup.plan.quota.cpus:g}")])
     thr = sup.throttle.summary()
     if thr is not None:
-        out += ["# HELP onecard_cpu_throttled_periods_total CFS periods in which the cgroup was throttled.",
-                "# TYPE onecard_cpu_throttled_periods_total counter",
-                f"onecard_cpu_throttled_periods_total {thr['nr_throttled']}",
-                "# HELP onecard_cpu_periods_total CFS periods elapsed.",
-                "# TYPE onecard_cpu_periods_total counter",
-                f"onecard_cpu_periods_total {thr['nr_periods']}",
-                "# HELP onecard_cpu_throttled_seconds_total Time the cgroup was throttled.",
-                "# TYPE onecard_cpu_throttled_seconds_total counter",
-                f"onecard_cpu_throttled_seconds_total {thr['throttled_s']}",
-                "# HELP onecard_cpu_throttled_share_1m Share of periods throttled over the last minute.",
-                "# TYPE onecard_cpu_throttled_share_1m gauge",
-                f"onecard_cpu_throttled_share_1m {thr['throttled_share_1m']}"]
-    out += ["# HELP onecard_ready 1 when every service is ready.",
-            "# TYPE onecard_ready gauge",
-            f"onecard_ready {1 if all_ready(sup) else 0}"]
+        _family(out, "onecard_cpu_throttled_periods_total", "counter",
+                "CFS periods in which the cgroup was throttled.", [({}, thr["nr_throttled"])])
+        _family(out, "onecard_cpu_periods_total", "counter", "CFS periods elapsed.", [({}, thr["nr_periods"])])
+        _family(out, "onecard_cpu_throttled_seconds_total", "counter", "Time the cgroup was throttled.",
+                [({}, thr["throttled_s"])])
+        _family(out, "onecard_cpu_throttled_share_1m", "gauge", "Share of periods throttled over the last minute.",
+                [({}, thr["throttled_share_1m"])])
+    _family(out, "onecard_ready", "gauge", "1 when every service is ready.", [({}, 1 if all_ready(sup) else 0)])
     return "\n".join(out) + "\n"
