@@ -32,7 +32,7 @@ def _load(config: Optional[str], sets: List[str]):
     try:
         gpu = GpuFacts(os.environ.get("CUDA_VISIBLE_DEVICES", "0") or "0")
         cfg = load_config(path, sets, gpu_total_bytes=gpu.total_bytes())
-        plan = build_plan(cfg, read_cpu_quota(), os.environ, path)
+        plan = build_plan(cfg, read_cpu_quota(), os.environ)
         if plan.mps_dir is not None:
             problem = MpsDaemon(plan.mps_dir).problem()
             if problem:

@@ -71,8 +71,7 @@ def plan_threads(config: Config, quota: CpuQuota) -> tuple[dict[str, int], list[
     return {n: threads[n] for n in services}, warnings
 
 
-def build_plan(config: Config, quota: CpuQuota, base_env: Mapping[str, str],
-               config_path: str | None = None) -> Plan:
+def build_plan(config: Config, quota: CpuQuota, base_env: Mapping[str, str]) -> Plan:
     threads, warnings = plan_threads(config, quota)
     mps_dir = mps_dir_of(config)
     plans = []

@@ -84,7 +84,7 @@ class Scheduler:
     worker: GpuWorker = field(default_factory=GpuWorker)
 
     def __post_init__(self):
-        self.lock = FifoLock(on_wait=lambda s: None)
+        self.lock = FifoLock()  # queue wait is observed per request as the "queue" stage
         self.batching = self.backend.supports_batching and self.settings.max_batch_size > 1
         self._pending: collections.deque[_Item] = collections.deque()
         self._wake = asyncio.Event()
