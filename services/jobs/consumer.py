@@ -1,0 +1,295 @@
+"""One consumer per local service: takes that model's jobs when the service has room and
+runs each through the service's public HTTP API (so its FIFO, batching, limits and
+metrics apply), then writes the outcome back.
+
+Backpressure is pull-based: ``max_in_flight`` slots; the consumer waits for a free slot
+before it reads the queue at all, and a 503 from the service holds the job (not an
+attempt) until Retry-After. A cancel closes the HTTP request, which makes the service
+drop the job or stop the generation between steps, as a client disconnect does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from services.jobs.broker import Broker, QueueUnavailable
+from services.jobs.metrics import JobsMetrics
+from services.jobs.outcome import Verdict, classify, retry_after_s
+from services.jobs.records import CANCELLED, FAILED, KEPT_HEADERS, SUCCEEDED, Delivery, Outcome, error_doc
+from services.jobs.settings import JobsSettings
+from services.jobs.targets import Target
+
+log = logging.getLogger("onecard.jobs")
+CANCEL, SHUTDOWN = "cancel", "shutdown"
+
+
+class Room:
+    """Free slots on the local service."""
+
+    def __init__(self, size: int):
+        self.size = self.free = size
+        self._changed = asyncio.Event()
+
+    async def wait_free(self) -> None:
+        while self.free == 0:
+            self._changed.clear()
+            await self._changed.wait()
+
+    def take_all(self) -> int:
+        n, self.free = self.free, 0
+        return n
+
+    def give(self, n: int = 1) -> None:
+        self.free += n
+        self._changed.set()
+
+
+@dataclass
+class Running:
+    delivery: Delivery
+    waiting_on: asyncio.Task | None = None   # what a cancel interrupts: the HTTP call or a backpressure wait
+    stop_reason: str | None = None
+
+
+def _error_of(resp: httpx.Response) -> dict[str, Any]:
+    try:
+        err = resp.json()["error"]
+        return error_doc(str(err["code"]), str(err["message"]), resp.status_code)
+    except (ValueError, KeyError, TypeError):
+        return error_doc("service_error", resp.text[:500] or resp.reason_phrase, resp.status_code)
+
+
+class Consumer:
+    def __init__(self, broker: Broker, target: Target, settings: JobsSettings, metrics: JobsMetrics,
+                 renew_period_s: float):
+        self.broker, self.target, self.settings, self.metrics = broker, target, settings, metrics
+        self.label = target.label
+        self.room = Room(target.max_in_flight)
+        self.running: dict[str, Running] = {}
+        self.renew_period_s = renew_period_s
+        self._tasks: set[asyncio.Task] = set()
+        self._loop_task: asyncio.Task | None = None
+        self._renew_task: asyncio.Task | None = None
+        self._has_running = asyncio.Event()
+        self._stopping = False
+        self._hold_until = 0.0
+        self.loop_errors = 0
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._loop_task = loop.create_task(self._take_loop(), name=f"jobs-consumer-{self.label}")
+        self._renew_task = loop.create_task(self._renew_loop(), name=f"jobs-renew-{self.label}")
+
+    def problem(self) -> str | None:
+        for task in (self._loop_task, self._renew_task):
+            if task is not None and task.done() and not self._stopping:
+                return f"the consumer of {self.label} has stopped"
+        return None
+
+    async def stop(self, drain_s: float) -> None:
+        """Stop taking jobs; give running ones ``drain_s``, then hand the rest back to the queue."""
+        self._stopping = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=drain_s)
+        for run in list(self.running.values()):
+            self._interrupt(run, SHUTDOWN)
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=5)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._renew_task is not None:
+            self._renew_task.cancel()
+            await asyncio.gather(self._renew_task, return_exceptions=True)
+
+    def cancel(self, job_id: str) -> bool:
+        run = self.running.get(job_id)
+        if run is None:
+            return False
+        self._interrupt(run, CANCEL)
+        return True
+
+    def _interrupt(self, run: Running, reason: str) -> None:
+        if run.stop_reason is None:
+            run.stop_reason = reason
+        if run.waiting_on is not None:
+            run.waiting_on.cancel()
+
+    # ---- taking jobs ------------------------------------------------------------------
+    async def _take_loop(self) -> None:
+        backoff = 0.1
+        while True:
+            await self.room.wait_free()
+            if not self.target.up:
+                await self.target.wait_up()
+            hold = self._hold_until - time.monotonic()
+            if hold > 0:  # the service said Retry-After: take nothing new before then
+                await asyncio.sleep(hold)
+                continue
+            n = self.room.take_all()
+            try:
+                deliveries = await self.broker.take(self.label, n, block_s=5.0)
+                backoff = 0.1
+            except asyncio.CancelledError:
+                self.room.give(n)
+                raise
+            except Exception as exc:  # noqa: BLE001 - the loop outlives any one failure
+                self.room.give(n)
+                self.loop_errors += 1
+                if isinstance(exc, QueueUnavailable):
+                    log.warning("jobs: queue unavailable for %s (%s); retrying in %.1f s", self.label, exc, backoff)
+                else:
+                    log.exception("jobs: taking %s jobs failed", self.label)
+                await asyncio.sleep(backoff)
+                backoff = min(2.0, backoff * 2)
+                continue
+            self.room.give(n - len(deliveries))
+            for d in deliveries:
+                self._spawn(d)
+
+    def _spawn(self, d: Delivery) -> None:
+        self.running[d.job_id] = Running(d)
+        self._has_running.set()
+        self.metrics.in_progress.labels(self.label).inc()
+        if d.queued_at is not None and d.started_at is not None:
+            self.metrics.observe("queued", d.started_at - d.queued_at)
+        task = asyncio.get_running_loop().create_task(self._run(d), name=f"job-{d.job_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _renew_loop(self) -> None:
+        """Renew the lease of running jobs (visibility) and pick up cancels missed on pub/sub."""
+        while True:
+            await self._has_running.wait()
+            await asyncio.sleep(self.renew_period_s)
+            runs = list(self.running.values())
+            if not runs:
+                self._has_running.clear()
+                continue
+            try:
+                for job_id in await self.broker.renew(self.label, [r.delivery for r in runs]):
+                    self.cancel(job_id)
+            except QueueUnavailable as exc:
+                log.warning("jobs: cannot renew running jobs of %s: %s", self.label, exc)
+            except Exception:  # noqa: BLE001
+                log.exception("jobs: renewing %s failed", self.label)
+
+    # ---- running one job -----------------------------------------------------------
+    async def _run(self, d: Delivery) -> None:
+        t0 = time.monotonic()
+        try:
+            await self._attempt(d)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one job never takes the consumer down
+            log.exception("jobs: job %s broke its run", d.job_id)
+            await self._write(self.broker.finish, d, Outcome(FAILED, error=error_doc(
+                "internal_error", f"the job could not be run: {type(exc).__name__}"), dead_letter=True))
+        finally:
+            self.metrics.observe("running", time.monotonic() - t0)
+            self.running.pop(d.job_id, None)
+            self.metrics.in_progress.labels(self.label).dec()
+            self.room.give(1)
+
+    async def _interruptible(self, run: Running, coro) -> Any:
+        """Await ``coro`` so that a cancel or shutdown can interrupt it; None when interrupted."""
+        task = asyncio.get_running_loop().create_task(coro)
+        run.waiting_on = task
+        if run.stop_reason is not None:
+            task.cancel()
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if run.stop_reason is None or not task.cancelled() or asyncio.current_task().cancelling():
+                raise
+            return None
+        finally:
+            run.waiting_on = None
+
+    async def _attempt(self, d: Delivery) -> None:
+        run = self.running[d.job_id]
+        routes = self.target.routes
+        if routes is not None and d.route not in routes:
+            await self._finish(d, Outcome(FAILED, error=error_doc(
+                "unknown_route", f"{d.route} is not a POST route of {self.target.name} on this unit", 404)))
+            return
+        held_until = time.monotonic() + self.settings.backpressure_requeue_s
+        while True:
+            try:
+                resp = await self._interruptible(run, self.target.call(d.route, d.body, d.job_id))
+            except httpx.TimeoutException:
+                await self._requeue(d, error_doc("timeout", f"no answer from {self.target.name} within "
+                                                 f"{self.settings.run_timeout_s:g} s"), counted=True)
+                return
+            except httpx.HTTPError as exc:
+                self.target.up = False  # checked again before this consumer takes more
+                await self._requeue(d, error_doc("service_unreachable", f"{self.target.name}: {exc!r}"),
+                                    counted=True)
+                return
+            if resp is None:
+                await self._stopped(d, run)
+                return
+            verdict = classify(resp.status_code, _error_of(resp)["code"] if resp.status_code >= 400 else None)
+            if verdict is Verdict.SUCCEEDED:
+                headers = {k: resp.headers[k] for k in KEPT_HEADERS if k in resp.headers}
+                await self._finish(d, Outcome(SUCCEEDED, resp.content, resp.headers.get("content-type",
+                                   "application/octet-stream"), resp.status_code, headers))
+                return
+            if verdict is Verdict.REJECTED:
+                await self._finish(d, Outcome(FAILED, resp.content, resp.headers.get("content-type", ""),
+                                              resp.status_code, error=_error_of(resp)))
+                return
+            if verdict is Verdict.ATTEMPT_FAILED:
+                await self._requeue(d, _error_of(resp), counted=True)
+                return
+            # backpressure: the service is full; hold the job, take nothing new, try again
+            self.metrics.backpressure.inc()
+            wait = retry_after_s(resp.headers.get("retry-after"), float(self.settings.retry_after_s or 1))
+            self._hold_until = max(self._hold_until, time.monotonic() + wait)
+            if time.monotonic() + wait > held_until:
+                await self._requeue(d, None, counted=False)  # let another unit have it
+                return
+            if await self._interruptible(run, asyncio.sleep(wait, True)) is None:
+                await self._stopped(d, run)
+                return
+
+    async def _stopped(self, d: Delivery, run: Running) -> None:
+        if run.stop_reason == SHUTDOWN:
+            await self._requeue(d, None, counted=False)
+        else:
+            await self._finish(d, Outcome(CANCELLED, error=error_doc("cancelled", "cancelled while it ran")))
+
+    async def _finish(self, d: Delivery, outcome: Outcome) -> None:
+        first = await self._write(self.broker.finish, d, outcome)
+        self.metrics.count(outcome.state if first else "duplicate")
+        if first and outcome.dead_letter:
+            self.metrics.count("dead_lettered")
+
+    async def _requeue(self, d: Delivery, error: dict[str, Any] | None, counted: bool) -> None:
+        verdict = await self._write(self.broker.requeue, d, error, counted)
+        self.metrics.count({"requeued": "retried" if counted else "released", "dead": "dead_lettered",
+                            "cancelled": "cancelled"}.get(verdict, "duplicate"))
+        if verdict == "dead":
+            self.metrics.count("failed")
+            log.warning("jobs: %s failed after its last attempt: %s", d.job_id, error)
+
+    async def _write(self, op, *args) -> Any:
+        """A state write that must not be lost to a short queue outage: retried with backoff
+        (the job's lease expires meanwhile only if the outage outlasts the visibility timeout)."""
+        delay = 0.1
+        while True:
+            try:
+                return await op(*args)
+            except QueueUnavailable as exc:
+                log.warning("jobs: queue unavailable while writing %s (%s); retrying", args[0].job_id, exc)
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)

@@ -1,0 +1,148 @@
+"""A submit, from bytes to a NewJob: the envelope, the body sent to the service, and the
+structural checks that hold whether or not the service is on this unit (base64 decodes,
+the image is a JPEG/PNG/WebP/BMP of bounded size and pixel count, read from its header).
+
+Everything here is CPU work on caller-sized data: the app runs it in an executor.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from services.runtime.errors import ApiError
+
+SERVICE_RE = r"^[a-z][a-z0-9_-]{0,31}$"
+ROUTE_RE = re.compile(r"^(/[A-Za-z0-9_.-]+)+$")
+IMAGE_FIELDS = ("image", "style_image", "mask")
+IMAGE_LIST_FIELDS = ("init_images",)
+ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP")
+
+
+class SubmitRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    service: str = Field(..., pattern=SERVICE_RE)
+    route: str = Field(..., max_length=256)
+    model: str | None = Field(None, max_length=512)
+    params: dict[str, Any] | None = None
+    image: str | None = None
+    body: dict[str, Any] | None = None
+
+
+@dataclass
+class Limits:
+    max_image_bytes: int
+    max_pixels: int
+    max_body_bytes: int | None = None   # the target service's own body limit, when known
+
+
+def parse_envelope(raw: bytes) -> SubmitRequest:
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(400, "bad_json", "the body is not valid JSON") from None
+    if not isinstance(doc, dict):
+        raise ApiError(422, "invalid_parameter", "body: expected a JSON object")
+    try:
+        req = SubmitRequest.model_validate(doc)
+    except ValidationError as exc:
+        e = exc.errors()[0]
+        where = ".".join(str(p) for p in e["loc"]) or "request"
+        raise ApiError(422, "invalid_parameter", f"{where}: {e['msg']}") from None
+    if not ROUTE_RE.match(req.route) or ".." in req.route.split("/"):
+        raise ApiError(422, "invalid_parameter", "route: expected a path such as /api/v1/img2img")
+    if req.body is not None and (req.params is not None or req.image is not None):
+        raise ApiError(422, "invalid_parameter", "body: send either 'body' or 'params'/'image', not both")
+    return req
+
+
+def service_body(req: SubmitRequest) -> dict[str, Any]:
+    if req.body is not None:
+        return req.body
+    body = dict(req.params or {})
+    if req.image is not None:
+        body["image"] = req.image
+    return body
+
+
+def _b64(text: Any, name: str) -> bytes:
+    if not isinstance(text, str):
+        raise ApiError(422, "invalid_parameter", f"{name}: expected a base64 string")
+    if text.startswith("data:"):
+        text = text.partition(",")[2]
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, "bad_base64", f"{name}: not valid base64") from None
+
+
+def check_image(data: bytes, name: str, limits: Limits) -> None:
+    from PIL import Image, UnidentifiedImageError  # the header only: no pixel is decoded here
+
+    if not data:
+        raise ApiError(400, "empty_image", f"{name}: the image is empty")
+    if len(data) > limits.max_image_bytes:
+        raise ApiError(413, "image_too_large",
+                       f"{name}: {len(data)} bytes is over the limit of {limits.max_image_bytes}")
+    try:
+        with Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS) as im:
+            width, height = im.size
+    except UnidentifiedImageError:
+        raise ApiError(415, "unsupported_image", f"{name}: not an image in one of {', '.join(ALLOWED_FORMATS)}") \
+            from None
+    except Exception as exc:  # noqa: BLE001 - any header failure is the caller's bad data
+        raise ApiError(400, "corrupt_image", f"{name}: cannot read the image header: {exc}") from None
+    if width <= 0 or height <= 0:
+        raise ApiError(400, "corrupt_image", f"{name}: the image has no pixels")
+    if width * height > limits.max_pixels:
+        raise ApiError(413, "too_many_pixels",
+                       f"{name}: {width}x{height} pixels is over the limit of {limits.max_pixels}")
+
+
+def check_images(body: dict[str, Any], limits: Limits) -> int:
+    """Every image field of the body: base64 that decodes to a bounded image. Returns how many."""
+    seen = 0
+    for key in IMAGE_FIELDS:
+        if key in body and body[key] is not None:
+            check_image(_b64(body[key], key), key, limits)
+            seen += 1
+    for key in IMAGE_LIST_FIELDS:
+        items = body.get(key)
+        if items is None:
+            continue
+        if not isinstance(items, list):
+            raise ApiError(422, "invalid_parameter", f"{key}: expected a list of base64 images")
+        for i, item in enumerate(items[:16]):
+            check_image(_b64(item, f"{key}.{i}"), f"{key}.{i}", limits)
+            seen += 1
+    return seen
+
+
+def encode_body(body: dict[str, Any], limits: Limits) -> tuple[bytes, str]:
+    data = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    if limits.max_body_bytes is not None and len(data) > limits.max_body_bytes:
+        raise ApiError(413, "body_too_large", f"the request for the service is {len(data)} bytes, over its limit "
+                       f"of {limits.max_body_bytes}")
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def prepare(raw: bytes) -> SubmitRequest:
+    return parse_envelope(raw)
+
+
+def build_body(req: SubmitRequest, limits: Limits) -> tuple[bytes, str]:
+    """Checks the images and returns the service's JSON body and its digest."""
+    body = service_body(req)
+    check_images(body, limits)
+    try:
+        return encode_body(body, limits)
+    except ValueError:
+        raise ApiError(422, "invalid_parameter", "params: NaN and infinity are not JSON") from None

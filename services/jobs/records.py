@@ -1,0 +1,122 @@
+"""A job as both backends store it (flat string fields), and its public view."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
+TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
+ID_RE = re.compile(r"^[0-9a-f]{32}$")
+# headers of a service's answer worth keeping with its result
+KEPT_HEADERS = ("x-seed", "server-timing")
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def valid_id(job_id: str) -> bool:
+    return bool(ID_RE.match(job_id))
+
+
+@dataclass
+class NewJob:
+    """A validated submit, ready to be queued."""
+    id: str
+    service: str
+    route: str
+    model: str
+    body: bytes                    # the JSON body sent to the service
+    body_sha: str                  # compared when an Idempotency-Key is reused
+    idempotency_key: str | None
+    created_at: float
+
+
+@dataclass
+class Delivery:
+    """One run of one job handed to a consumer."""
+    job_id: str
+    label: str
+    route: str
+    body: bytes
+    attempt: int
+    entry: str | None = None       # the stream entry (Redis)
+    queued_at: float | None = None
+    started_at: float | None = None
+
+
+@dataclass
+class Outcome:
+    """How a run ended, as the consumer writes it back."""
+    state: str                     # succeeded | failed | cancelled
+    result: bytes | None = None
+    content_type: str | None = None
+    status: int | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    error: dict[str, Any] | None = None
+    dead_letter: bool = False
+
+
+def error_doc(code: str, message: str, status: int | None = None) -> dict[str, Any]:
+    doc: dict[str, Any] = {"code": code, "message": message}
+    if status is not None:
+        doc["status"] = status
+    return doc
+
+
+def _float(v: str | None) -> float | None:
+    try:
+        return None if v in (None, "") else float(v)
+    except ValueError:
+        return None
+
+
+def _json(v: str | None) -> Any:
+    if not v:
+        return None
+    try:
+        return json.loads(v)
+    except ValueError:
+        return None
+
+
+def public_view(fields: dict[str, str]) -> dict[str, Any]:
+    """The job as GET /v1/jobs/{id} shows it, without the result."""
+    state = fields.get("state", QUEUED)
+    progress = 1.0 if state in TERMINAL else (_float(fields.get("progress")) or 0.0)
+    return {
+        "id": fields.get("id"),
+        "state": state,
+        "service": fields.get("service"),
+        "route": fields.get("route"),
+        "model": fields.get("model"),
+        "attempts": int(fields.get("attempts") or 0),
+        "progress": progress,
+        "node": fields.get("node") or None,
+        "error": _json(fields.get("error")) if state != SUCCEEDED else None,
+        "cancel_requested": fields.get("cancel") == "1",
+        "created_at": _float(fields.get("created_at")),
+        "started_at": _float(fields.get("started_at")),
+        "finished_at": _float(fields.get("finished_at")),
+    }
+
+
+def render_result(data: bytes, content_type: str, headers: dict[str, str]) -> Any:
+    """A result inline in the job's JSON: the service's JSON as is, anything else base64
+    (CPU work on big results: call it from an executor)."""
+    if content_type.split(";")[0].strip() in ("application/json", "text/json"):
+        try:
+            return json.loads(data)
+        except ValueError:
+            pass
+    doc: dict[str, Any] = {"content_type": content_type, "data": base64.b64encode(data).decode()}
+    if content_type.startswith("image/"):
+        doc["image"] = doc.pop("data")
+    if headers.get("x-seed"):
+        doc["seed"] = headers["x-seed"]
+    return doc

@@ -1,0 +1,201 @@
+"""The jobs service's moving parts, started and stopped together: the queue backend, the
+local targets and one consumer per target; plus what the API asks of them (which model a
+submit goes to, and the figures for /stats and /metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+from typing import Any, Callable
+
+import httpx
+
+from services.jobs.broker import Broker, ModelInfo, QueueUnavailable
+from services.jobs.consumer import Consumer
+from services.jobs.memory_broker import MemoryBroker
+from services.jobs.metrics import STAGES, JobsMetrics
+from services.jobs.payload import Limits, SubmitRequest
+from services.jobs.settings import JobsSettings
+from services.jobs.targets import Target, unit_services
+from services.runtime.errors import ApiError
+
+log = logging.getLogger("onecard.jobs")
+INLINE_BYTES = 64 * 1024  # smaller payloads are parsed on the loop: a thread hop would cost more
+
+
+def make_broker(settings: JobsSettings, node: str) -> Broker:
+    url = settings.queue.resolved_url()
+    if url is None:
+        return MemoryBroker(settings.queue, node, settings.max_queued_jobs)
+    from services.jobs.redis_broker import RedisBroker  # only units with a queue need redis-py
+    return RedisBroker(url, settings.queue, node, settings.max_queued_jobs)
+
+
+class JobsService:
+    def __init__(self, name: str, settings: JobsSettings, environ=os.environ):
+        self.name, self.settings = name, settings
+        self.node = settings.resolved_node_name()
+        self.metrics = JobsMetrics()
+        self.broker = make_broker(settings, self.node)
+        self.broker.on_cancel(self._cancel_running)
+        run_timeout = settings.run_timeout_s
+        self.targets = [Target(n, t.url, t, run_timeout, settings.dry_run_timeout_s)
+                        for n, t in unit_services(settings, name, environ).items()]
+        self.consumers: dict[str, Consumer] = {}
+        self.ready = False
+        self.queue_reachable = True
+        self.startup_problem: str | None = None
+        self._startup_task: asyncio.Task | None = None
+        self.executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="onecard-jobs-cpu")
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def begin(self) -> None:
+        self._startup_task = asyncio.get_running_loop().create_task(self._startup(), name="jobs-startup")
+
+    async def _startup(self) -> None:
+        delay = 0.1
+        while True:
+            try:
+                await self.broker.start()
+                break
+            except QueueUnavailable as exc:
+                self.startup_problem = f"queue unavailable: {exc}"
+                log.warning("jobs: %s; retrying in %.1f s", self.startup_problem, delay)
+                await asyncio.sleep(delay)
+                delay = min(5.0, delay * 2)
+        self.startup_problem = "waiting for the local services"
+        await asyncio.gather(*(self._discover(t) for t in self.targets))
+        labels = [t.label for t in self.targets]
+        dup = {lab for lab in labels if labels.count(lab) > 1}
+        if dup:
+            self.startup_problem = f"two local services report the same model label {sorted(dup)}"
+            log.error("jobs: %s; set model_label per target", self.startup_problem)
+            return
+        for t in self.targets:
+            info = ModelInfo(t.label, t.label.split("/", 1)[0], t.routes,
+                             {k: t.limits[k] for k in ("max_body_bytes", "max_pixels") if k in t.limits})
+            await self._until_queue(lambda: self.broker.announce(info))
+        if self.settings.consume:
+            renew = max(0.1, self.settings.queue.visibility_timeout_s / 3)
+            for t in self.targets:
+                c = Consumer(self.broker, t, self.settings, self.metrics, renew)
+                self.consumers[t.label] = c
+                c.start()
+        self.startup_problem = None
+        self.ready = True
+        log.info("jobs: ready (%s); node %s consumes %s", self.broker.mode, self.node,
+                 sorted(self.consumers) or "nothing")
+
+    async def _discover(self, t: Target) -> None:
+        delay = 0.2
+        while True:
+            try:
+                return await t.discover()
+            except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:
+                log.warning("jobs: cannot read %s's /info (%r); retrying", t.name, exc)
+                await asyncio.sleep(delay)
+                delay = min(5.0, delay * 2)
+
+    async def _until_queue(self, op: Callable) -> Any:
+        delay = 0.1
+        while True:
+            try:
+                return await op()
+            except QueueUnavailable as exc:
+                log.warning("jobs: queue unavailable (%s); retrying", exc)
+                await asyncio.sleep(delay)
+                delay = min(5.0, delay * 2)
+
+    async def shutdown(self) -> None:
+        self.ready = False
+        if self._startup_task is not None and not self._startup_task.done():
+            self._startup_task.cancel()
+            await asyncio.gather(self._startup_task, return_exceptions=True)
+        drain = self.settings.resolved_drain_s()
+        await asyncio.gather(*(c.stop(drain) for c in self.consumers.values()))
+        for t in self.targets:
+            await t.close()
+        await self.broker.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def problem(self) -> str | None:
+        """Why this process cannot do its work (for /healthz), or None."""
+        if self._startup_task is not None and self._startup_task.done() and not self._startup_task.cancelled():
+            exc = self._startup_task.exception()
+            if exc is not None:
+                return f"start-up failed: {exc!r}"
+        for c in self.consumers.values():
+            p = c.problem()
+            if p:
+                return p
+        return None
+
+    def _cancel_running(self, job_id: str) -> None:
+        for c in self.consumers.values():
+            if c.cancel(job_id):
+                return
+
+    async def cpu(self, size: int, fn: Callable, *args: Any) -> Any:
+        if size <= INLINE_BYTES:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    # ---- routing a submit ---------------------------------------------------------
+    def local(self) -> dict[str, Target]:
+        return {t.label: t for t in self.targets if t.label}
+
+    async def known_models(self) -> dict[str, ModelInfo]:
+        known = {label: ModelInfo(label, label.split("/", 1)[0]) for label in self.settings.accept_models}
+        known.update(await self.broker.models())
+        for label, t in self.local().items():
+            known[label] = ModelInfo(label, label.split("/", 1)[0], t.routes, t.limits)
+        return known
+
+    async def resolve(self, req: SubmitRequest) -> tuple[str, Limits, Target | None]:
+        """The model label a submit goes to, the limits its body must meet, and the local
+        target when this unit has the model."""
+        known = await self.known_models()
+        of_service = sorted(lab for lab, m in known.items() if m.service == req.service)
+        if not of_service:
+            services = sorted({m.service for m in known.values()})
+            raise ApiError(422, "unknown_service", f"service: {req.service!r} runs on no unit; known: {services}")
+        label = req.model or self.settings.default_models.get(req.service)
+        if label is None:
+            if len(of_service) > 1:
+                raise ApiError(422, "model_required", f"model: {req.service!r} has several models, name one of "
+                               f"{of_service[:20]}")
+            label = of_service[0]
+        info = known.get(label)
+        if info is None or info.service != req.service:
+            raise ApiError(422, "unknown_model", f"model: {label!r} is not a model of {req.service!r}; "
+                           f"known: {of_service[:20]}")
+        routes = info.routes
+        if routes is None:  # announced by no unit yet: any route one of the service's models serves
+            seen = [m.routes for m in known.values() if m.service == req.service and m.routes is not None]
+            routes = sorted({r for rs in seen for r in rs}) if seen else None
+        if routes is not None and req.route not in routes:
+            raise ApiError(422, "unknown_route", f"route: {req.route!r} is not a POST route of {req.service!r}; "
+                           f"routes: {routes}")
+        max_pixels = min(self.settings.max_pixels, int(info.limits.get("max_pixels") or self.settings.max_pixels))
+        max_body = info.limits.get("max_body_bytes")
+        limits = Limits(self.settings.max_image_bytes, max_pixels, int(max_body) if max_body else None)
+        return label, limits, self.local().get(label)
+
+    # ---- figures ----------------------------------------------------------------------
+    async def streams(self) -> list[dict[str, Any]]:
+        labels = sorted(self.consumers) if self.consumers else sorted(self.local())
+        try:
+            rows = await self.broker.stream_stats(labels)
+        except QueueUnavailable:
+            self.queue_reachable = False
+            return []
+        self.queue_reachable = True
+        for row in rows:
+            c = self.consumers.get(row["model"])
+            row["in_progress"] = len(c.running) if c else 0
+        return rows
+
+    def stages(self) -> dict[str, Any]:
+        return {stage: self.metrics.percentiles(stage) for stage in STAGES}

@@ -1,0 +1,154 @@
+"""The jobs service's settings (``[services.jobs.settings]``): pydantic only, no heavy import,
+so that ``onecard check`` validates the section before anything starts.
+
+The issue's ``[queue]`` table lives here as ``[services.jobs.settings.queue]``: without a
+``url`` the jobs stay in the process's memory (embedded mode); with one they go on Redis
+Streams, one stream per model label.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+LABEL_RE = re.compile(r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+/[A-Za-z0-9_.+-]+$")
+URL_RE = re.compile(r"^https?://[^\s/]+(:\d+)?/?$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class QueueSettings(_Strict):
+    url: str | None = Field(None, description="redis://[user:password@]host:port/db; absent: jobs stay in memory")
+    url_env: str | None = Field(None, description="...or read the URL from this environment variable (a Secret)")
+    results_ttl_s: float = Field(3600.0, gt=0, le=30 * 86400, description="finished jobs and results expire after this")
+    visibility_timeout_s: float = Field(60.0, ge=0.5, le=86400,
+                                        description="a running job whose unit stopped renewing it is re-run after this")
+    max_attempts: int = Field(3, ge=1, le=100, description="runs that ended in a 5xx, a timeout or a lost unit; "
+                              "then the job fails and goes to the dead-letter stream")
+    idempotency_ttl_s: float = Field(86400.0, gt=0, le=30 * 86400, description="how long an Idempotency-Key is remembered")
+    prefix: str = Field("onecard:jobs", pattern=r"^[A-Za-z0-9_:.-]{1,64}$", description="key prefix in Redis")
+    group: str = Field("onecard", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="consumer group on every stream")
+    dead_letter_maxlen: int = Field(10_000, ge=1, description="dead-letter entries kept per stream (approximate trim)")
+
+    def resolved_url(self) -> str | None:
+        if self.url:
+            return self.url
+        if self.url_env:
+            return os.environ.get(self.url_env) or None
+        return None
+
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("expected redis://host:port/db, rediss://... or unix://...")
+        return v
+
+
+class TargetSettings(_Strict):
+    url: str | None = Field(None, description="the local service's base URL (ONECARD_UNIT_SERVICES wins)")
+    model_label: str | None = Field(None, description="override the label the service reports in /info")
+    max_in_flight: int | None = Field(None, ge=1, le=10_000, description="jobs sent to it at once "
+                                      "(default: its max_batch_size + 1)")
+    api_key_env: str | None = Field(None, description="environment variable holding the service's API key")
+    dry_run: bool = Field(True, description="validate submits with the service's X-Onecard-Dry-Run when it has one")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not URL_RE.match(v):
+            raise ValueError("expected http://host:port")
+        return v
+
+    @field_validator("model_label")
+    @classmethod
+    def _label(cls, v: str | None) -> str | None:
+        if v is not None and not LABEL_RE.match(v):
+            raise ValueError("expected 'service/backend/model' (letters, digits, '_', '-', '.')")
+        return v
+
+
+class JobsSettings(_Strict):
+    queue: QueueSettings = Field(default_factory=QueueSettings)
+    targets: dict[str, str | TargetSettings] = Field(
+        default_factory=dict, description="local services by name: a URL or a table (url, model_label, ...)")
+    consume: bool = Field(True, description="run jobs on this unit's services (false: an API-only unit)")
+    node_name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,128}$",
+                                  description="this unit's name in job states (default: $ONECARD_NODE_NAME, "
+                                  "$HOSTNAME, the host name)")
+    accept_models: list[str] = Field(default_factory=list, description="model labels accepted at submit before "
+                                     "any unit has announced them (units scaled to zero)")
+    default_models: dict[str, str] = Field(default_factory=dict,
+                                           description="service name -> model label used when a job names none")
+    max_body_bytes: int = Field(32 * 2**20, ge=1024, description="larger submit bodies get 413")
+    max_image_bytes: int = Field(20 * 2**20, ge=1024, description="a decoded image over this gets 413")
+    max_pixels: int = Field(40_000_000, ge=1, description="an image over this many pixels (from its header) gets 413")
+    max_queued_jobs: int = Field(10_000, ge=1, description="queued jobs per model beyond this get 503")
+    run_timeout_s: float = Field(900.0, gt=0, le=86400, description="one run on the local service, at most")
+    backpressure_requeue_s: float = Field(30.0, gt=0, le=3600, description="a job the local service keeps "
+                                          "refusing with 503 goes back on the queue after this")
+    dry_run_timeout_s: float = Field(10.0, gt=0, le=600, description="time limit of a submit's dry run")
+    drain_s: float | None = Field(None, gt=0, le=3600, description="on SIGTERM, wait this long for running jobs "
+                                  "(default: $ONECARD_DRAIN_S, else 10); the rest go back on the queue")
+    retry_after_s: int = Field(1, ge=0, le=3600, description="Retry-After on 503 and on unfinished results")
+    api_key: str | None = Field(None, description="require this key (Bearer or X-API-Key)")
+    api_key_env: str | None = Field(None, description="...or read the key from this environment variable")
+
+    @field_validator("accept_models")
+    @classmethod
+    def _labels(cls, v: list[str]) -> list[str]:
+        for label in v:
+            if not LABEL_RE.match(label):
+                raise ValueError(f"{label!r}: expected 'service/backend/model'")
+        return v
+
+    @field_validator("targets")
+    @classmethod
+    def _target_urls(cls, v: dict[str, str | TargetSettings]) -> dict[str, str | TargetSettings]:
+        for name, t in v.items():
+            if isinstance(t, str) and not URL_RE.match(t):
+                raise ValueError(f"{name}: expected http://host:port, got {t!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _defaults_are_labels(self) -> "JobsSettings":
+        for service, label in self.default_models.items():
+            if not LABEL_RE.match(label) or label.split("/", 1)[0] != service:
+                raise ValueError(f"default_models.{service}: expected '{service}/backend/model', got {label!r}")
+        return self
+
+    def target(self, name: str) -> TargetSettings:
+        t = self.targets.get(name)
+        if t is None:
+            return TargetSettings()
+        return TargetSettings(url=t) if isinstance(t, str) else t
+
+    def resolved_api_key(self) -> str | None:
+        if self.api_key:
+            return self.api_key
+        if self.api_key_env:
+            return os.environ.get(self.api_key_env) or None
+        return None
+
+    def resolved_node_name(self) -> str:
+        import socket
+        name = self.node_name or os.environ.get("ONECARD_NODE_NAME") or os.environ.get("HOSTNAME") \
+            or socket.gethostname()
+        return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:128] or "node"
+
+    def resolved_drain_s(self) -> float:
+        if self.drain_s is not None:
+            return self.drain_s
+        try:
+            return max(0.0, float(os.environ.get("ONECARD_DRAIN_S", "10")))
+        except ValueError:
+            return 10.0
+
+
+Mode = Literal["embedded", "redis"]
+SERVICE_SETTINGS = JobsSettings

@@ -1,0 +1,173 @@
+"""The unit's own services that jobs run on ("targets"): where they are, which model each
+has loaded (its label), which POST routes it serves, and how to call it.
+
+Where: ``ONECARD_UNIT_SERVICES`` (JSON ``{"name": {"url": ...}}``, set by the supervisor),
+else the ``targets`` table of the jobs settings. The label comes from the service's
+``/info`` ``model_label``, else ``service/backend/<basename of model>``; a ``model_label``
+in the jobs settings wins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from services.jobs.settings import LABEL_RE, JobsSettings, TargetSettings
+from services.runtime.errors import ApiError
+
+log = logging.getLogger("onecard.jobs")
+DRY_RUN_HEADER = "X-Onecard-Dry-Run"
+JOB_HEADER = "X-Onecard-Job"
+BACKOFF_MIN_S, BACKOFF_MAX_S = 0.1, 5.0
+
+
+def unit_services(settings: JobsSettings, own_name: str, environ=os.environ) -> dict[str, TargetSettings]:
+    """Every local service jobs may run on, with its URL and the settings' per-target overrides."""
+    raw = environ.get("ONECARD_UNIT_SERVICES")
+    out: dict[str, TargetSettings] = {}
+    if raw:
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            raise ValueError("ONECARD_UNIT_SERVICES is not valid JSON") from None
+        if not isinstance(doc, dict):
+            raise ValueError("ONECARD_UNIT_SERVICES: expected a JSON object of services")
+        for name, entry in doc.items():
+            url = entry.get("url") if isinstance(entry, dict) else entry
+            if name == own_name or not isinstance(url, str):
+                continue
+            out[name] = settings.target(name).model_copy(update={"url": url.rstrip("/")})
+        return out
+    for name in settings.targets:
+        t = settings.target(name)
+        if name != own_name and t.url:
+            out[name] = t.model_copy(update={"url": t.url.rstrip("/")})
+    return out
+
+
+def _clean(part: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", part) or "default"
+
+
+def model_label(name: str, info: dict[str, Any], override: str | None = None) -> str:
+    if override:
+        return override
+    reported = info.get("model_label")
+    if isinstance(reported, str) and LABEL_RE.match(reported):
+        return reported
+    model = info.get("model")
+    base = os.path.basename(str(model).rstrip("/")) if model else ""
+    return f"{_clean(name)}/{_clean(str(info.get('backend') or 'default'))}/{_clean(base or 'default')}"
+
+
+def post_routes(openapi: dict[str, Any]) -> list[str]:
+    return sorted(p for p, ops in (openapi.get("paths") or {}).items() if isinstance(ops, dict) and "post" in ops)
+
+
+@dataclass
+class Target:
+    name: str
+    url: str
+    settings: TargetSettings
+    run_timeout_s: float
+    dry_run_timeout_s: float
+    label: str = ""
+    routes: list[str] | None = None          # None: the service publishes no OpenAPI document
+    limits: dict[str, Any] = field(default_factory=dict)
+    max_in_flight: int = 1
+    dry_run_supported: bool | None = None     # None: not known yet
+    up: bool = False
+    client: httpx.AsyncClient | None = None
+
+    def headers(self) -> dict[str, str]:
+        h = {"content-type": "application/json"}
+        if self.settings.api_key_env and os.environ.get(self.settings.api_key_env):
+            h["x-api-key"] = os.environ[self.settings.api_key_env]
+        return h
+
+    def open(self) -> None:
+        n = self.max_in_flight + 4
+        self.client = httpx.AsyncClient(
+            base_url=self.url, trust_env=False,
+            timeout=httpx.Timeout(self.run_timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def discover(self) -> None:
+        """Wait until the service is ready, then learn its label, routes and limits."""
+        await self.wait_up()
+        info = (await self.client.get("/info", headers=self.headers(), timeout=10)).json()
+        self.label = model_label(self.name, info, self.settings.model_label)
+        try:
+            r = await self.client.get("/openapi.json", headers=self.headers(), timeout=10)
+            self.routes = post_routes(r.json()) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            self.routes = None
+        self.limits = {k: v for k, v in (info.get("limits") or {}).items() if isinstance(v, (int, float))}
+        batch = int(self.limits.get("max_batch_size") or 1)
+        self.max_in_flight = self.settings.max_in_flight or max(2, batch + 1)
+        await self.close()
+        self.open()  # sized for max_in_flight now that it is known
+        log.info("jobs: target %s at %s serves %s (routes %s, %d at once)", self.name, self.url, self.label,
+                 self.routes, self.max_in_flight)
+
+    async def wait_up(self) -> None:
+        """Return once /readyz answers 200; back off while it does not."""
+        if self.client is None:
+            self.open()
+        delay = BACKOFF_MIN_S
+        while True:
+            try:
+                r = await self.client.get("/readyz", timeout=5)
+                if r.status_code == 200:
+                    self.up = True
+                    return
+            except httpx.HTTPError:
+                pass
+            self.up = False
+            await asyncio.sleep(delay)
+            delay = min(BACKOFF_MAX_S, delay * 2)
+
+    async def call(self, route: str, body: bytes, job_id: str) -> httpx.Response:
+        return await self.client.post(route, content=body, headers={**self.headers(), JOB_HEADER: job_id})
+
+    async def dry_run(self, route: str, body: bytes) -> ApiError | None:
+        """The service's verdict on a body without running it. An ApiError to return to the
+        submitter, or None (valid, or the service cannot tell: structural checks stand)."""
+        if not self.settings.dry_run or self.dry_run_supported is False:
+            return None
+        try:
+            r = await self.client.post(route, content=body, headers={**self.headers(), DRY_RUN_HEADER: "1"},
+                                       timeout=self.dry_run_timeout_s)
+        except httpx.TimeoutException:
+            self.dry_run_supported = False  # it ran the real thing: never ask again
+            return None
+        except httpx.HTTPError:
+            return None
+        if 200 <= r.status_code < 300:
+            try:
+                valid = r.json().get("valid") is True
+            except (ValueError, AttributeError):
+                valid = False
+            if not valid:
+                log.warning("jobs: %s does not support %s; submits get structural checks only", self.name,
+                            DRY_RUN_HEADER)
+            self.dry_run_supported = valid
+            return None
+        if 400 <= r.status_code < 500 and r.status_code not in (401, 403, 408, 429):
+            try:
+                err = r.json()["error"]
+                return ApiError(r.status_code, str(err["code"]), str(err["message"]))
+            except (ValueError, KeyError, TypeError):
+                return ApiError(r.status_code, "rejected_by_service", r.text[:500])
+        return None
