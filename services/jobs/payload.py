@@ -95,6 +95,9 @@ def check_image(data: bytes, name: str, limits: Limits) -> None:
     try:
         with Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS) as im:
             width, height = im.size
+    except Image.DecompressionBombError:
+        raise ApiError(413, "too_many_pixels", f"{name}: the image declares more pixels than {limits.max_pixels}") \
+            from None
     except UnidentifiedImageError:
         raise ApiError(415, "unsupported_image", f"{name}: not an image in one of {', '.join(ALLOWED_FORMATS)}") \
             from None
