@@ -160,13 +160,14 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
     async def cancel(job_id: str) -> Any:
         await fields_of(job_id)
         try:
-            fields = await svc.broker.cancel(job_id)
+            found = await svc.broker.cancel(job_id)
         except QueueUnavailable as exc:
             raise _unavailable(svc, exc) from None
-        if fields is None:
+        if found is None:
             raise ApiError(404, "job_not_found", f"no job {job_id}")
-        view = public_view(fields)
-        if view["state"] in (SUCCEEDED, FAILED):
-            raise ApiError(409, "job_finished", f"job {job_id} has already {view['state']}")
-        return JSONResponse(view, status_code=200 if view["state"] == CANCELLED else 202)
+        verdict, fields = found
+        if verdict in (SUCCEEDED, FAILED):
+            raise ApiError(409, "job_finished", f"job {job_id} has already {verdict}")
+        # running: accepted, the unit running it stops it between steps; poll for 'cancelled'
+        return JSONResponse(public_view(fields), status_code=202 if verdict == "cancelling" else 200)
 

@@ -94,7 +94,9 @@ class Broker(abc.ABC):
     async def result(self, job_id: str) -> bytes | None: ...
 
     @abc.abstractmethod
-    async def cancel(self, job_id: str) -> dict[str, str] | None: ...
+    async def cancel(self, job_id: str) -> tuple[str, dict[str, str]] | None:
+        """(verdict, the job's fields): 'cancelled' (it was queued), 'cancelling' (it runs: the
+        unit running it is told), or the terminal state it already had. None: no such job."""
 
     @abc.abstractmethod
     async def models(self) -> dict[str, ModelInfo]: ...

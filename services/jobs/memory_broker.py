@@ -103,12 +103,12 @@ class MemoryBroker(Broker):
     async def result(self, job_id: str) -> bytes | None:
         return self.results.get(job_id)
 
-    async def cancel(self, job_id: str) -> dict[str, str] | None:
+    async def cancel(self, job_id: str) -> tuple[str, dict[str, str]] | None:
         job = self.jobs.get(job_id)
         if job is None:
             return None
         if job["state"] in TERMINAL:
-            return dict(job)
+            return job["state"], dict(job)
         job["cancel"] = "1"
         if job["state"] == QUEUED:
             q = self.queues[job["model"]]
@@ -117,9 +117,9 @@ class MemoryBroker(Broker):
             except ValueError:
                 pass
             self._terminal(job, CANCELLED, error_doc("cancelled", "cancelled before it ran"))
-        else:
-            self._notify_cancel(job_id)
-        return dict(job)
+            return CANCELLED, dict(job)
+        self._notify_cancel(job_id)
+        return "cancelling", dict(job)
 
     async def models(self) -> dict[str, ModelInfo]:
         return dict(self._models)

@@ -194,12 +194,11 @@ class RedisBroker(Broker):
         except (RedisError, OSError) as exc:
             raise QueueUnavailable(str(exc)) from exc
 
-    async def cancel(self, job_id: str) -> dict[str, str] | None:
+    async def cancel(self, job_id: str) -> tuple[str, dict[str, str]] | None:
         verdict = _s(await self._call("CANCEL", [self.job_key(job_id), self.body_key(job_id)],
                                       [repr(self.clock()), self.ttl_ms, self.channel, job_id]))
-        if verdict == "missing":
-            return None
-        return await self.get(job_id)
+        fields = await self.get(job_id) if verdict != "missing" else None
+        return (verdict, fields) if fields else None
 
     async def models(self) -> dict[str, ModelInfo]:
         now = time.monotonic()

@@ -159,7 +159,7 @@ class Target:
                 valid = r.json().get("valid") is True
             except (ValueError, AttributeError):
                 valid = False
-            if not valid:
+            if not valid and self.dry_run_supported is None:
                 log.warning("jobs: %s does not support %s; submits get structural checks only", self.name,
                             DRY_RUN_HEADER)
             self.dry_run_supported = valid

@@ -1,0 +1,276 @@
+"""Many units on one Redis: model-pool routing, a unit killed mid-job, Redis killed and
+restarted, a burst of jobs, cancels across units, dead letters, poison entries, result
+expiry. A real redis-server on a free port; real service processes; no mocks."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import httpx
+import numpy as np
+import pytest
+import redis
+from PIL import Image
+
+from tests.images import astronaut, encode
+from tests.jobs_harness import DETECT_APP, TARGET_APP, Unit, b64, start_units
+from tests.redis_server import RedisServer
+
+HAAR = "detect/haar/haarcascade_frontalface_default.xml"
+SHARED = "scripted/scripted/shared"
+WORK = "/api/v1/work"
+
+
+def centerface_label(unit: Unit) -> str:
+    return next(lab for lab in unit.api.get("/info").json()["model_labels"] if lab.startswith("detect/centerface/"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with RedisServer(tmp_path_factory.mktemp("redis")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def pair(server, tmp_path_factory):
+    """Unit A has detect on Haar, unit B detect on CenterFace; both have the 'shared' model."""
+    tmp = tmp_path_factory.mktemp("pair")
+    queue = {"url": server.url, "prefix": "pair", "visibility_timeout_s": 300, "max_attempts": 3}
+    a = Unit(tmp, "unit-a", {"detect": (DETECT_APP, {"backend": "haar", "warmup_runs": 1}),
+                             "scripted": (TARGET_APP, {"model": "shared", "unit": "a", "batch": 2})},
+             queue=queue, accept_models=["scripted/scripted/nobody"])
+    b = Unit(tmp, "unit-b", {"detect": (DETECT_APP, {"backend": "centerface", "max_side": 320, "warmup_runs": 1}),
+                             "scripted": (TARGET_APP, {"model": "shared", "unit": "b", "batch": 2})},
+             queue=queue, accept_models=["scripted/scripted/nobody"])
+    try:
+        start_units(a, b)
+        yield a, b
+    finally:
+        a.stop()
+        b.stop()
+
+
+@pytest.fixture
+def rds(server):
+    client = redis.Redis.from_url(server.url)
+    yield client
+    client.close()
+
+
+def face() -> str:
+    return b64(encode(np.asarray(Image.fromarray(astronaut()).resize((128, 128)))))
+
+
+def test_every_job_runs_on_a_unit_that_has_its_model(pair):
+    a, b = pair
+    cf = centerface_label(b)
+    assert set(a.api.get("/info").json()["known_models"]) >= {HAAR, cf, SHARED}
+    img = face()
+    haar_jobs = [b.submit("detect", "/api/v1/facedetect", model=HAAR, image=img)["id"] for _ in range(6)]
+    cf_jobs = [a.submit("detect", "/api/v1/facedetect", model=cf, image=img)["id"] for _ in range(6)]
+    for job_id in haar_jobs:
+        done = a.wait(job_id)  # any unit answers for any job
+        assert done["state"] == "succeeded" and done["node"] == "unit-a" and done["model"] == HAAR
+        assert b.job(job_id) == done
+    for job_id in cf_jobs:
+        done = b.wait(job_id)
+        assert done["state"] == "succeeded" and done["node"] == "unit-b" and done["model"] == cf
+        assert done["result"]["faces"][0]["landmarks"]  # CenterFace gives landmarks; Haar never does
+    r = a.api.post("/v1/jobs", json={"service": "detect", "route": "/api/v1/facedetect", "image": img})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "model_required"
+
+
+def test_a_burst_of_200_jobs_all_succeed_and_the_lag_returns_to_zero(pair):
+    a, b = pair
+    cf = centerface_label(b)
+    img = face()
+    plans = [("scripted", WORK, {"model": SHARED, "body": {"tag": f"burst-{i}", "sleep_s": 0.01}}) if i % 2 else
+             ("detect", "/api/v1/facedetect", {"model": HAAR if i % 4 else cf, "image": img}) for i in range(200)]
+
+    def submit(i: int) -> str:
+        service, route, fields = plans[i]
+        return (a if i % 3 else b).submit(service, route, **fields)["id"]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        ids = list(pool.map(submit, range(200)))
+    assert len(set(ids)) == 200
+    nodes = {}
+    for job_id in ids:
+        done = a.wait(job_id, timeout=120)
+        assert done["state"] == "succeeded", done
+        nodes.setdefault(done["model"], set()).add(done["node"])
+    assert nodes == {SHARED: {"unit-a", "unit-b"}, HAAR: {"unit-a"}, cf: {"unit-b"}}  # the shared model scaled out
+    for unit in (a, b):
+        deadline = time.monotonic() + 15
+        while True:
+            streams = unit.stats()["jobs"]["streams"]
+            if streams and all(s["lag"] == 0 and s["pending"] == 0 and s["in_progress"] == 0 for s in streams):
+                break
+            assert time.monotonic() < deadline, streams
+            time.sleep(0.1)
+    metrics = a.api.get("/metrics").text
+    assert 'onecard_jobs_stream_lag{stream="pair:stream:scripted/scripted/shared"} 0.0' in metrics
+
+
+def test_cancel_reaches_the_unit_running_the_job(pair):
+    a, b = pair
+    job = a.submit("scripted", WORK, model=SHARED, body={"tag": "cancel-me", "sleep_s": 120})
+    running = a.wait(job["id"], ("running",))
+    runner, other = (a, b) if running["node"] == "unit-a" else (b, a)
+    deadline = time.monotonic() + 10
+    while "cancel-me" not in runner.calls("scripted")["started"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    r = other.api.delete(f"/v1/jobs/{job['id']}")  # asked of the unit that does not run it
+    assert r.status_code == 202 and r.json()["cancel_requested"]
+    # the lease is renewed every 100 s here: only the pub/sub message can stop it this soon
+    done = other.wait(job["id"], timeout=30)
+    assert done["state"] == "cancelled"
+    assert "cancel-me" in runner.calls("scripted")["disconnected"]
+
+
+def test_a_job_for_a_model_no_unit_has_waits_and_can_be_cancelled(pair, rds):
+    a, b = pair
+    job = a.submit("scripted", WORK, model="scripted/scripted/nobody", body={"tag": "nobody"})
+    assert b.job(job["id"])["state"] == "queued"
+    stream = "pair:stream:scripted/scripted/nobody"
+    assert rds.xinfo_groups(stream)[0]["lag"] == 1  # KEDA's lagCount sees it: a unit may be scaled up
+    r = b.api.delete(f"/v1/jobs/{job['id']}")
+    assert r.status_code == 200 and r.json()["state"] == "cancelled"
+    assert a.job(job["id"])["state"] == "cancelled"
+
+
+def test_failing_jobs_are_retried_on_any_unit_then_dead_lettered(pair, rds):
+    a, b = pair
+    job = a.submit("scripted", WORK, model=SHARED, body={"tag": "always-500", "status": 500, "code": "kaput"})
+    done = b.wait(job["id"])
+    assert done["state"] == "failed" and done["attempts"] == 3 and done["error"]["code"] == "kaput"
+    runs = a.calls("scripted")["started"].count("always-500") + b.calls("scripted")["started"].count("always-500")
+    assert runs == 3
+    dead = rds.xrange("pair:dead:" + SHARED)
+    assert [e[1][b"id"].decode() for e in dead][-1] == job["id"]
+    assert json.loads(dead[-1][1][b"error"])["code"] == "kaput"
+    dead_counts = [s["dead_lettered"] for u in (a, b) for s in u.stats()["jobs"]["streams"] if s["model"] == SHARED]
+    assert dead_counts == [len(dead), len(dead)]
+
+
+def test_poison_entries_never_break_a_consumer(pair, rds):
+    a, b = pair
+    stream = "pair:stream:" + SHARED
+    rds.xadd(stream, {"no-id": "x"})
+    rds.xadd(stream, {"id": "../../etc/passwd"})
+    rds.xadd(stream, {"id": "f" * 32})  # a job that does not exist
+    bad_route, bad_body = "a" * 32, "b" * 32
+    for n, (job_id, route, body) in enumerate(((bad_route, "/calls", b"{}"), (bad_body, WORK, b"\xff not json"))):
+        entry = f"{int(time.time() * 1000) + 60_000}-{n}"  # named up front: the job is whole before it is seen
+        rds.hset(f"pair:job:{job_id}", mapping={"id": job_id, "state": "queued", "service": "scripted", "route": route,
+                                                 "model": SHARED, "attempts": 0, "created_at": time.time(),
+                                                 "entry": entry})
+        rds.set(f"pair:body:{job_id}", body)
+        rds.xadd(stream, {"id": job_id}, id=entry)
+    done = a.wait(bad_route)
+    assert done["state"] == "failed" and done["error"]["code"] == "unknown_route"
+    done = a.wait(bad_body)
+    assert done["state"] == "failed" and done["error"]["code"] == "bad_json" and done["attempts"] == 1
+    job = b.submit("scripted", WORK, model=SHARED, body={"tag": "after-poison"})
+    assert a.wait(job["id"])["state"] == "succeeded"
+    for unit in (a, b):
+        assert unit.api.get("/healthz").status_code == 200
+    deadline = time.monotonic() + 10
+    while rds.xlen(stream):
+        assert time.monotonic() < deadline, rds.xrange(stream)
+        time.sleep(0.05)
+
+
+def test_results_expire_after_their_ttl(server, rds, tmp_path):
+    u = Unit(tmp_path, "ttl", {"scripted": (TARGET_APP, {"model": "m1"})},
+             queue={"url": server.url, "prefix": "ttl", "results_ttl_s": 1.0})
+    try:
+        start_units(u)
+        job = u.submit("scripted", WORK, body={"tag": "ttl"})
+        assert u.wait(job["id"])["state"] == "succeeded"
+        assert rds.exists(f"ttl:result:{job['id']}") and not rds.exists(f"ttl:body:{job['id']}")
+        assert 0 < rds.pttl(f"ttl:job:{job['id']}") <= 1000
+        deadline = time.monotonic() + 10
+        while u.api.get(f"/v1/jobs/{job['id']}").status_code == 200:
+            assert time.monotonic() < deadline, "never expired"
+            time.sleep(0.1)
+        assert u.api.get(f"/v1/jobs/{job['id']}/result").status_code == 404
+        assert not rds.exists(f"ttl:job:{job['id']}", f"ttl:result:{job['id']}")
+    finally:
+        u.stop()
+
+
+def test_sigkill_a_unit_mid_job_and_the_job_completes_on_the_other_with_one_result(server, rds, tmp_path):
+    queue = {"url": server.url, "prefix": "kill", "visibility_timeout_s": 1.0, "max_attempts": 3}
+    units = [Unit(tmp_path, f"unit-{n}", {"scripted": (TARGET_APP, {"model": "m1", "unit": n})}, queue=queue)
+             for n in ("x", "y")]
+    try:
+        start_units(*units)
+        job = units[0].submit("scripted", WORK, body={"tag": "survivor", "sleep_s": 2})
+        running = units[0].wait(job["id"], ("running",))
+        victim = next(u for u in units if u.node == running["node"])
+        other = next(u for u in units if u is not victim)
+        deadline = time.monotonic() + 10
+        while "survivor" not in victim.calls("scripted")["started"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        victim.kill()
+        done = other.wait(job["id"], timeout=60)
+        assert done["state"] == "succeeded" and done["node"] == other.node and done["attempts"] == 2
+        assert done["result"]["unit"] == other.node[-1]
+        assert other.calls("scripted")["finished"] == ["survivor"]
+        stream = "kill:stream:scripted/scripted/m1"
+        assert rds.xlen(stream) == 0 and rds.xpending(stream, "onecard")["pending"] == 0
+        assert other.stats()["jobs"]["counts"].get("duplicate", 0) == 0
+        raw = other.api.get(f"/v1/jobs/{job['id']}/result")
+        assert raw.status_code == 200 and raw.json()["unit"] == other.node[-1]
+    finally:
+        for u in units:
+            u.stop()
+
+
+def test_redis_killed_and_restarted_mid_run_loses_no_accepted_job(tmp_path):
+    with RedisServer(tmp_path, aof=True) as srv:
+        u = Unit(tmp_path, "restart", {"scripted": (TARGET_APP, {"model": "m1", "batch": 3})},
+                 queue={"url": srv.url, "prefix": "rs", "visibility_timeout_s": 2.0})
+        try:
+            start_units(u)
+
+            def submit(i: int) -> str:
+                """A client that retries with its Idempotency-Key until the job is accepted."""
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        r = u.api.post("/v1/jobs", json={"service": "scripted", "route": WORK,
+                                                         "body": {"tag": f"r{i}", "sleep_s": 0.05}},
+                                       headers={"Idempotency-Key": f"job-{i}"})
+                        if r.status_code == 202:
+                            return r.json()["id"]
+                        assert r.status_code == 503, r.text
+                    except httpx.TransportError:
+                        pass
+                    assert time.monotonic() < deadline, "never accepted"
+                    time.sleep(0.1)
+
+            ids = [submit(i) for i in range(20)]
+            deadline = time.monotonic() + 30
+            while sum(u.job(j)["state"] == "succeeded" for j in ids) < 3:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            assert any(u.job(j)["state"] != "succeeded" for j in ids), "all done before the crash"
+            srv.kill()
+            time.sleep(0.5)
+            r = u.api.post("/v1/jobs", json={"service": "scripted", "route": WORK, "body": {}})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_unavailable"
+            srv.start()
+            ids += [submit(i) for i in range(20, 40)]
+            assert len(set(ids)) == 40
+            for job_id in ids:
+                assert u.wait(job_id, timeout=60)["state"] == "succeeded"
+            started = u.calls("scripted")["started"]
+            assert {f"r{i}" for i in range(40)} <= set(started)
+        finally:
+            u.stop()
