@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import time
@@ -18,13 +19,15 @@ class DefaultConfigRun(SupervisorRun):
     def __init__(self, tmp, **ports):
         super().__init__(tmp, {})
         self.config = ROOT / "configs" / "default.toml"
-        self.ports = {name: free_port() for name in ("detect", "img2img")}
+        self.ports = {name: free_port() for name in ("detect", "img2img", "jobs")}
         self.extra_args = ["--set", f"supervisor.health_port={self.health_port}",
                            "--set", 'supervisor.health_host="127.0.0.1"',
                            "--set", f'supervisor.control_socket="{self.socket}"',
                            "--set", "supervisor.liveness_period_s=1"]
         for name, port in self.ports.items():
             self.extra_args += ["--set", f"services.{name}.port={port}"]
+        for name in ("detect", "img2img"):  # the jobs service's targets follow the moved ports
+            self.extra_args += ["--set", f'services.jobs.settings.targets.{name}="http://127.0.0.1:{self.ports[name]}"']
 
 
 def _both_work(run) -> None:
@@ -37,19 +40,33 @@ def _both_work(run) -> None:
     assert r.status_code == 200 and r.headers["content-type"] == "image/png" and len(r.content) > 10_000
 
 
+def _a_job_works(run) -> None:
+    jobs = f"http://127.0.0.1:{run.ports['jobs']}"
+    r = httpx.post(jobs + "/v1/jobs", json={"service": "detect", "route": "/api/v1/facedetect",
+                                            "image": base64.b64encode(encode(astronaut())).decode()}, timeout=60)
+    assert r.status_code == 202, r.text
+    deadline = time.monotonic() + 60
+    while (doc := httpx.get(jobs + r.headers["location"], timeout=10).json())["state"] in ("queued", "running"):
+        assert time.monotonic() < deadline, doc
+        time.sleep(0.1)
+    assert doc["state"] == "succeeded" and len(doc["result"]["faces"]) == 1
+
+
 def test_default_config_serves_both_and_status_shows_them(tmp_path):
     with DefaultConfigRun(tmp_path) as run:
         run.wait_ready(timeout=240)
         _both_work(run)
         time.sleep(2.5)  # a liveness period: the supervisor reads /stats
         doc = run.status_doc()
-        by_name = {s["name"]: s for s in doc["services"]}
+        by_name = {s["name"]: s for s in doc["services"] if s["name"] != "jobs"}
+        assert {s["name"] for s in doc["services"]} == {"detect", "img2img", "jobs"}
         assert set(by_name) == {"detect", "img2img"}
         for s in by_name.values():
             assert s["state"] == "ready" and s["served"] == 1
             assert s["queue_depth"] == 0 and s["latency_p50_ms"] > 0
         table = run.status().stdout
         assert "detect" in table and "img2img" in table
+        _a_job_works(run)
         run.signal(signal.SIGTERM)
         assert run.wait_exit(30) == 0
         assert not run.wait_no_leftovers()
