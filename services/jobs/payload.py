@@ -25,6 +25,7 @@ ROUTE_RE = re.compile(r"^(/[A-Za-z0-9_.-]+)+$")
 IMAGE_FIELDS = ("image", "style_image", "mask")
 IMAGE_LIST_FIELDS = ("init_images",)
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP")
+SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"BM")
 
 
 class SubmitRequest(BaseModel):
@@ -99,6 +100,8 @@ def check_image(data: bytes, name: str, limits: Limits) -> None:
         raise ApiError(413, "too_many_pixels", f"{name}: the image declares more pixels than {limits.max_pixels}") \
             from None
     except UnidentifiedImageError:
+        if data.startswith(SIGNATURES) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP"):
+            raise ApiError(400, "corrupt_image", f"{name}: the image header is corrupt") from None
         raise ApiError(415, "unsupported_image", f"{name}: not an image in one of {', '.join(ALLOWED_FORMATS)}") \
             from None
     except Exception as exc:  # noqa: BLE001 - any header failure is the caller's bad data
@@ -135,10 +138,6 @@ def encode_body(body: dict[str, Any], limits: Limits) -> tuple[bytes, str]:
         raise ApiError(413, "body_too_large", f"the request for the service is {len(data)} bytes, over its limit "
                        f"of {limits.max_body_bytes}")
     return data, hashlib.sha256(data).hexdigest()
-
-
-def prepare(raw: bytes) -> SubmitRequest:
-    return parse_envelope(raw)
 
 
 def build_body(req: SubmitRequest, limits: Limits) -> tuple[bytes, str]:

@@ -1,0 +1,241 @@
+"""The queue semantics, one specification run against both backends: the embedded one and
+Redis Streams on a real redis-server (in-process asyncio clients, no service processes).
+Redis-only cases: leases, take-over after the visibility timeout, a late finish after a
+take-over, and a lag that stays readable for KEDA."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import time
+
+import pytest
+import redis
+
+from services.jobs.broker import IdempotencyMismatch, QueueFull
+from services.jobs.memory_broker import MemoryBroker
+from services.jobs.records import Delivery, NewJob, Outcome, error_doc, new_id
+from services.jobs.redis_broker import RedisBroker
+from services.jobs.settings import QueueSettings
+from tests.redis_server import RedisServer
+
+LABEL = "svc/backend/model"
+_prefixes = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with RedisServer(tmp_path_factory.mktemp("broker-redis")) as srv:
+        yield srv
+
+
+@pytest.fixture(params=["memory", "redis"])
+def make(request):
+    """make(node, **queue settings) -> a started broker; every one is closed after the test."""
+    made = []
+    prefix = f"b{next(_prefixes)}"
+    server = request.getfixturevalue("server") if request.param == "redis" else None
+
+    async def factory(node: str = "n1", max_queued: int = 100, **queue) -> MemoryBroker | RedisBroker:
+        settings = QueueSettings(prefix=prefix, **queue)
+        if server is None:
+            broker = MemoryBroker(settings, node, max_queued)
+        else:
+            broker = RedisBroker(server.url, settings, node, max_queued)
+        await broker.start()
+        made.append(broker)
+        return broker
+
+    factory.kind = request.param
+    factory.prefix = prefix
+    factory.closers = made
+    return factory
+
+
+def run(make, scenario):
+    async def main():
+        try:
+            await scenario()
+        finally:
+            for b in make.closers:
+                await b.close()
+    asyncio.run(main())
+
+
+def job(body: bytes = b'{"x":1}', key: str | None = None) -> NewJob:
+    return NewJob(new_id(), "svc", "/r", LABEL, body, hashlib.sha256(body).hexdigest(), key, time.time())
+
+
+async def take_one(broker, block_s: float = 2.0) -> Delivery:
+    got = await broker.take(LABEL, 1, block_s)
+    assert len(got) == 1, got
+    return got[0]
+
+
+def test_submit_take_finish_and_exactly_one_result(make):
+    async def scenario():
+        b = await make()
+        j = job()
+        sub = await b.submit(j, LABEL)
+        assert sub.created and sub.state == "queued"
+        assert (await b.stream_stats([LABEL]))[0]["lag"] == 1
+        d = await take_one(b)
+        assert (d.job_id, d.route, d.body, d.attempt) == (j.id, "/r", j.body, 1)
+        assert (await b.get(j.id))["state"] == "running"
+        stats = (await b.stream_stats([LABEL]))[0]
+        assert (stats["lag"], stats["pending"]) == (0, 1)
+        assert await b.finish(d, Outcome("succeeded", b"answer", "application/json", 200, {"x-seed": "3"}))
+        assert not await b.finish(d, Outcome("succeeded", b"second", "application/json", 200))  # duplicate
+        fields = await b.get(j.id)
+        assert fields["state"] == "succeeded" and fields["result_type"] == "application/json"
+        assert await b.result(j.id) == b"answer"
+        stats = (await b.stream_stats([LABEL]))[0]
+        assert (stats["lag"], stats["pending"]) == (0, 0)
+        assert await b.take(LABEL, 1, 0.2) == []  # nothing left, after a blocking wait
+    run(make, scenario)
+
+
+def test_idempotency_key(make):
+    async def scenario():
+        b = await make()
+        first = await b.submit(job(key="k1"), LABEL)
+        again = await b.submit(job(key="k1"), LABEL)
+        assert first.created and not again.created and again.id == first.id
+        with pytest.raises(IdempotencyMismatch):
+            await b.submit(job(body=b'{"x":2}', key="k1"), LABEL)
+        assert (await b.submit(job(key="k2"), LABEL)).id != first.id
+        assert (await b.stream_stats([LABEL]))[0]["lag"] == 2
+    run(make, scenario)
+
+
+def test_queue_full(make):
+    async def scenario():
+        b = await make(max_queued=2)
+        await b.submit(job(), LABEL)
+        await b.submit(job(), LABEL)
+        with pytest.raises(QueueFull):
+            await b.submit(job(), LABEL)
+    run(make, scenario)
+
+
+def test_cancel_queued_is_never_taken_and_cancel_running_tells_the_runner(make):
+    async def scenario():
+        b = await make()
+        told = asyncio.Event()
+        heard: list[str] = []
+        b.on_cancel(lambda job_id: (heard.append(job_id), told.set()))
+        queued, running = job(), job()
+        await b.submit(running, LABEL)
+        d = await take_one(b)
+        await b.submit(queued, LABEL)
+        verdict, fields = await b.cancel(queued.id)
+        assert verdict == "cancelled" and fields["state"] == "cancelled"
+        assert await b.take(LABEL, 5, 0.3) == []
+        assert (await b.stream_stats([LABEL]))[0]["lag"] == 0
+        await asyncio.sleep(0.2)  # the cancel channel is subscribed
+        verdict, fields = await b.cancel(running.id)
+        assert verdict == "cancelling" and fields["state"] == "running" and fields["cancel"] == "1"
+        await asyncio.wait_for(told.wait(), 5)
+        assert heard == [running.id]
+        assert await b.renew(LABEL, [d]) == {running.id}  # the fallback sees it too
+        assert await b.finish(d, Outcome("cancelled", error=error_doc("cancelled", "stopped")))
+        assert (await b.cancel(running.id))[0] == "cancelled"
+    run(make, scenario)
+
+
+def test_failed_attempts_are_retried_then_dead_lettered_with_the_last_error(make):
+    async def scenario():
+        b = await make(max_attempts=3)
+        j = job()
+        await b.submit(j, LABEL)
+        for attempt in (1, 2, 3):
+            d = await take_one(b)
+            assert d.attempt == attempt
+            verdict = await b.requeue(d, error_doc("boom", f"run {attempt}", 500), counted=True)
+            assert verdict == ("requeued" if attempt < 3 else "dead")
+        fields = await b.get(j.id)
+        assert fields["state"] == "failed" and '"run 3"' in fields["error"]
+        stats = (await b.stream_stats([LABEL]))[0]
+        assert (stats["dead_lettered"], stats["lag"], stats["pending"]) == (1, 0, 0)
+    run(make, scenario)
+
+
+def test_a_job_handed_back_keeps_its_attempts_and_a_stale_hand_back_is_ignored(make):
+    async def scenario():
+        b = await make(max_attempts=1)
+        j = job()
+        await b.submit(j, LABEL)
+        d = await take_one(b)
+        assert await b.requeue(d, None, counted=False) == "requeued"  # backpressure or shutdown
+        d2 = await take_one(b)
+        assert d2.attempt == 1
+        assert await b.requeue(d, error_doc("late", "stale"), counted=True) == "done"  # the old delivery
+        assert (await b.get(j.id))["state"] == "running"
+        assert await b.finish(d2, Outcome("succeeded", b"ok", "text/plain", 200))
+    run(make, scenario)
+
+
+# leases and take-over exist only with many units: Redis
+redis_only = pytest.mark.parametrize("make", ["redis"], indirect=True)
+
+
+@redis_only
+def test_a_job_whose_unit_stops_renewing_is_taken_over_and_a_late_finish_wins_once(make):
+    async def scenario():
+        a = await make("unit-a", visibility_timeout_s=0.6)
+        b = await make("unit-b", visibility_timeout_s=0.6)
+        j = job()
+        await a.submit(j, LABEL)
+        da = await take_one(a)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.5:  # a keeps its lease alive past the visibility timeout
+            assert await a.renew(LABEL, [da]) == set()
+            assert await b.take(LABEL, 1, 0.1) == []
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.8)  # a is gone: no renewal for over the visibility timeout
+        db = await take_one(b, block_s=3)
+        assert db.job_id == j.id and db.attempt == 2
+        fields = await b.get(j.id)
+        assert fields["node"] == "unit-b" and '"unit_lost"' in fields["last_error"]
+        assert await a.finish(da, Outcome("succeeded", b"from-a", "text/plain", 200))  # the late first finish
+        assert not await b.finish(db, Outcome("succeeded", b"from-b", "text/plain", 200))
+        assert await a.result(j.id) == b"from-a"
+        stats = (await b.stream_stats([LABEL]))[0]
+        assert (stats["lag"], stats["pending"]) == (0, 0)
+    run(make, scenario)
+
+
+@redis_only
+def test_a_job_that_keeps_killing_its_units_is_dead_lettered(make):
+    async def scenario():
+        j = job()
+        first = await make("u0", visibility_timeout_s=0.5, max_attempts=2)
+        await first.submit(j, LABEL)
+        await take_one(first)
+        await asyncio.sleep(0.7)
+        second = await make("u1", visibility_timeout_s=0.5, max_attempts=2)
+        assert (await take_one(second, block_s=2)).attempt == 2
+        await asyncio.sleep(0.7)
+        third = await make("u2", visibility_timeout_s=0.5, max_attempts=2)
+        assert await third.take(LABEL, 1, 1.0) == []
+        fields = await third.get(j.id)
+        assert fields["state"] == "failed" and '"unit_lost"' in fields["error"]
+        assert (await third.stream_stats([LABEL]))[0]["dead_lettered"] == 1
+    run(make, scenario)
+
+
+@redis_only
+def test_the_group_lag_stays_readable_through_cancels_and_finishes(make, server):
+    """KEDA's lagCount scaler reads XINFO GROUPS lag; deleting undelivered entries would make it null."""
+    async def scenario():
+        b = await make()
+        jobs = [job() for _ in range(6)]
+        for j in jobs:
+            await b.submit(j, LABEL)
+        await b.cancel(jobs[2].id)
+        d = await take_one(b)
+        await b.finish(d, Outcome("succeeded", b"", "text/plain", 200))
+        group = redis.Redis.from_url(server.url).xinfo_groups(f"{make.prefix}:stream:{LABEL}")[0]
+        assert group["lag"] == 5 and group["pending"] == 0
+    run(make, scenario)

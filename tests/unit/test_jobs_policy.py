@@ -1,0 +1,147 @@
+"""The jobs service's pure parts: what a service's answer means, model labels, where the
+targets are, settings, and the checks a submit goes through."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from services.jobs.outcome import Verdict, classify, retry_after_s
+from services.jobs.payload import Limits, build_body, parse_envelope
+from services.jobs.records import public_view, render_result
+from services.jobs.settings import JobsSettings
+from services.jobs.targets import model_label, post_routes, unit_services
+from services.runtime.errors import ApiError
+from tests.images import pixel_bomb_png, small_png
+
+
+@pytest.mark.parametrize("status,code,verdict", [
+    (200, None, Verdict.SUCCEEDED), (201, None, Verdict.SUCCEEDED),
+    (503, "overloaded", Verdict.BACKPRESSURE), (503, "not_ready", Verdict.BACKPRESSURE),
+    (429, "slow_down", Verdict.BACKPRESSURE),
+    (503, "out_of_memory", Verdict.ATTEMPT_FAILED), (500, "internal_error", Verdict.ATTEMPT_FAILED),
+    (502, None, Verdict.ATTEMPT_FAILED), (504, "deadline_exceeded", Verdict.ATTEMPT_FAILED),
+    (400, "corrupt_image", Verdict.REJECTED), (413, "too_many_pixels", Verdict.REJECTED),
+    (422, "invalid_parameter", Verdict.REJECTED), (404, "not_found", Verdict.REJECTED),
+])
+def test_what_an_answer_means(status, code, verdict):
+    assert classify(status, code) is verdict
+
+
+@pytest.mark.parametrize("header,expected", [
+    ("2", 2.0), ("0.25", 0.25), (None, 1.0), ("soon", 1.0), ("0", 0.05), ("99999", 30.0), ("nan", 1.0),
+])
+def test_retry_after_is_read_and_clamped(header, expected):
+    assert retry_after_s(header, 1.0) == expected
+
+
+def test_model_label_reported_derived_or_overridden():
+    assert model_label("img2img", {"model_label": "img2img/diffusers/sd15", "backend": "x"}) == "img2img/diffusers/sd15"
+    assert model_label("detect", {"backend": "centerface", "model": "/opt/m/centerface.onnx"}) == \
+        "detect/centerface/centerface.onnx"
+    assert model_label("img2img", {"backend": "diffusers", "model": "/models/sd-1.5/"}) == "img2img/diffusers/sd-1.5"
+    assert model_label("detect", {"backend": "haar", "model": None}) == "detect/haar/default"
+    assert model_label("detect", {"backend": "a b", "model": "x y"}) == "detect/a_b/x_y"
+    assert model_label("detect", {"model_label": "not a label"}) == "detect/default/default"
+    assert model_label("detect", {"model_label": "detect/a/b"}, override="detect/mine/v2") == "detect/mine/v2"
+
+
+def test_post_routes_from_openapi():
+    doc = {"paths": {"/api/v1/img2img": {"post": {}}, "/sdapi/v1/progress": {"get": {}},
+                     "/sdapi/v1/img2img": {"post": {}}}}
+    assert post_routes(doc) == ["/api/v1/img2img", "/sdapi/v1/img2img"]
+
+
+def test_targets_come_from_the_unit_then_from_the_settings():
+    settings = JobsSettings.model_validate({"targets": {
+        "detect": "http://127.0.0.1:7862", "img2img": {"url": "http://127.0.0.1:7861", "model_label": "img2img/x/y"}}})
+    env = {"ONECARD_UNIT_SERVICES": json.dumps({"img2img": {"url": "http://10.0.0.5:9001/"},
+                                                "jobs": {"url": "http://127.0.0.1:7863"}})}
+    got = unit_services(settings, "jobs", env)
+    assert list(got) == ["img2img"]  # the unit's list wins; the jobs service is not its own target
+    assert got["img2img"].url == "http://10.0.0.5:9001" and got["img2img"].model_label == "img2img/x/y"
+    got = unit_services(settings, "jobs", {})
+    assert {n: t.url for n, t in got.items()} == {"detect": "http://127.0.0.1:7862", "img2img": "http://127.0.0.1:7861"}
+    with pytest.raises(ValueError):
+        unit_services(settings, "jobs", {"ONECARD_UNIT_SERVICES": "{nope"})
+
+
+@pytest.mark.parametrize("section,fragment", [
+    ({"queue": {"url": "http://redis:6379"}}, "redis://"),
+    ({"queue": {"visibility_timeout_s": 0}}, "visibility_timeout_s"),
+    ({"queue": {"max_attempts": 0}}, "max_attempts"),
+    ({"queue": {"bogus": 1}}, "bogus"),
+    ({"targets": {"detect": "not a url"}}, "http://host:port"),
+    ({"targets": {"detect": {"url": "http://x:1", "model_label": "nope"}}}, "service/backend/model"),
+    ({"accept_models": ["x"]}, "service/backend/model"),
+    ({"default_models": {"detect": "img2img/a/b"}}, "default_models.detect"),
+    ({"max_queued_jobs": 0}, "max_queued_jobs"),
+])
+def test_bad_settings_are_refused(section, fragment):
+    with pytest.raises(ValidationError) as err:
+        JobsSettings.model_validate(section)
+    assert fragment in str(err.value)
+
+
+def test_default_settings_are_embedded_and_sane():
+    s = JobsSettings.model_validate({})
+    assert s.queue.resolved_url() is None and s.queue.max_attempts == 3 and s.consume
+    s = JobsSettings.model_validate({"queue": {"url_env": "JOBS_TEST_REDIS_URL_UNSET"}})
+    assert s.queue.resolved_url() is None
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+LIMITS = Limits(max_image_bytes=10_000, max_pixels=1_000_000, max_body_bytes=None)
+
+
+def _err(fn, *args) -> tuple[int, str]:
+    with pytest.raises(ApiError) as e:
+        fn(*args)
+    return e.value.status, e.value.code
+
+
+def test_envelope_checks():
+    assert _err(parse_envelope, b"\xff") == (400, "bad_json")
+    assert _err(parse_envelope, b"[1]") == (422, "invalid_parameter")
+    assert _err(parse_envelope, b'{"service": "Detect!", "route": "/a"}') == (422, "invalid_parameter")
+    assert _err(parse_envelope, b'{"service": "detect", "route": "/a/../b"}') == (422, "invalid_parameter")
+    assert _err(parse_envelope, b'{"service": "detect", "route": "/a?x=1"}') == (422, "invalid_parameter")
+    req = parse_envelope(b'{"service": "detect", "route": "/api/v1/facedetect", "params": {"min_score": 0.2}}')
+    assert req.service == "detect" and req.params == {"min_score": 0.2}
+
+
+def test_body_for_the_service_and_its_image_checks():
+    img = _b64(small_png())
+    req = parse_envelope(json.dumps({"service": "d", "route": "/r", "params": {"k": 1}, "image": img}).encode())
+    body, sha = build_body(req, LIMITS)
+    assert json.loads(body) == {"k": 1, "image": img} and len(sha) == 64
+    req = parse_envelope(json.dumps({"service": "d", "route": "/r", "body": {
+        "init_images": ["data:image/png;base64," + img, "!!"]}}).encode())
+    assert _err(build_body, req, LIMITS) == (400, "bad_base64")  # the second image of the list
+    for image, expected in (([], (422, "invalid_parameter")), ("", (400, "empty_image")),
+                            (_b64(pixel_bomb_png(2000, 2000)), (413, "too_many_pixels")),
+                            (_b64(b"GIF89a" + b"\0" * 20), (415, "unsupported_image")),
+                            (_b64(small_png() + b"\0" * 10_000), (413, "image_too_large")),
+                            (_b64(b"\x89PNG\r\n\x1a\n" + b"\0" * 30), (400, "corrupt_image"))):
+        req = parse_envelope(json.dumps({"service": "d", "route": "/r", "body": {"image": image}}).encode())
+        assert _err(build_body, req, LIMITS) == expected, image[:20]
+    req = parse_envelope(json.dumps({"service": "d", "route": "/r", "body": {"image": img, "pad": "x" * 500}}).encode())
+    assert _err(build_body, req, Limits(10_000, 1_000_000, max_body_bytes=400)) == (413, "body_too_large")
+
+
+def test_public_view_and_inline_results():
+    view = public_view({"id": "a" * 32, "state": "failed", "attempts": "3",
+                        "error": json.dumps({"code": "kaput", "message": "m"}), "cancel": "1"})
+    assert view["state"] == "failed" and view["attempts"] == 3 and view["progress"] == 1.0
+    assert view["error"]["code"] == "kaput" and view["cancel_requested"] is True
+    assert public_view({"id": "b" * 32, "state": "queued"})["progress"] == 0.0
+    assert render_result(b'{"faces": []}', "application/json", {}) == {"faces": []}
+    doc = render_result(b"\x89PNG", "image/png", {"x-seed": "7"})
+    assert doc == {"content_type": "image/png", "image": _b64(b"\x89PNG"), "seed": "7"}
+    assert render_result(b"abc", "application/octet-stream", {})["data"] == _b64(b"abc")
