@@ -112,9 +112,29 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
 
     @app.get("/v1/jobs/{job_id}", summary="A job's state (and its result once it has one)",
              openapi_extra={"parameters": [{"name": "result", "in": "query", "required": False,
-                                            "schema": {"type": "boolean"}}]})
+                                            "schema": {"type": "boolean"}},
+                                           {"name": "wait", "in": "query", "required": False,
+                                            "schema": {"type": "number", "minimum": 0},
+                                            "description": "long poll: answer once the job is finished, or "
+                                            "after this many seconds (at most max_wait_s)"}]})
     async def get_job(job_id: str, request: Request) -> Any:
-        fields = await fields_of(job_id)
+        wait = request.query_params.get("wait")
+        if wait is None:
+            fields = await fields_of(job_id)
+        else:
+            try:
+                wait_s = min(float(wait), settings.max_wait_s)
+            except ValueError:
+                raise ApiError(422, "invalid_parameter", "wait: expected seconds") from None
+            if not wait_s >= 0:
+                raise ApiError(422, "invalid_parameter", "wait: expected seconds >= 0")
+            await fields_of(job_id)
+            try:
+                fields = await svc.wait_finished(job_id, wait_s)
+            except QueueUnavailable as exc:
+                raise _unavailable(svc, exc) from None
+            if fields is None:
+                raise ApiError(404, "job_not_found", f"no job {job_id}")
         view = public_view(fields)
         view["result"] = None
         size = 0

@@ -4,12 +4,15 @@ probes and figures every onecard service answers (/healthz, /readyz, /info, /sta
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
+import signal
 import sys
+import threading
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -54,9 +57,36 @@ class JobsMiddleware:
         await self.app(scope, receive, send_with_instance)
 
 
+def on_stop_signal(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> Callable[[], None]:
+    """Run ``callback`` on the loop as soon as SIGTERM or SIGINT arrives, before the server's own
+    handling (which first waits for open HTTP requests, then runs the lifespan shutdown): a
+    draining unit must stop taking jobs at once. The handler only enqueues, then hands the
+    signal on to the handler it replaced. Returns a function that puts that handler back."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None  # signals reach the main thread only; an embedded server has no stop signal
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(signum, frame):
+        loop.call_soon_threadsafe(callback)
+        prev = previous[signum]
+        if callable(prev):
+            prev(signum, frame)
+        elif prev == signal.SIG_DFL:  # what the signal would have done without us
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+
+    for sig in previous:
+        signal.signal(sig, handler)
+
+    def restore() -> None:
+        for sig, prev in previous.items():
+            if signal.getsignal(sig) is handler:
+                signal.signal(sig, prev)
+    return restore
+
+
 def create_app(settings: dict[str, Any]) -> FastAPI:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     cfg = JobsSettings.model_validate(settings)
     name = os.environ.get("ONECARD_SERVICE_NAME", "jobs")
     instance = os.environ.get("ONECARD_INSTANCE_TOKEN")
@@ -65,10 +95,12 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         svc.begin()
+        restore = on_stop_signal(asyncio.get_running_loop(), svc.begin_drain)
         try:
             yield
         finally:
             await svc.shutdown()
+            restore()
 
     app = FastAPI(title="onecard jobs", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.jobs = svc
@@ -84,6 +116,8 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
 
     @app.get("/readyz", include_in_schema=False)
     async def readyz():
+        if svc.draining:
+            return JSONResponse({"ready": False, "reason": "draining", **ident}, status_code=503)
         if not svc.ready:
             return JSONResponse({"ready": False, "reason": svc.startup_problem or "starting", **ident},
                                 status_code=503)

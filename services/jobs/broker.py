@@ -61,6 +61,7 @@ class Broker(abc.ABC):
 
     def __init__(self) -> None:
         self._cancel_listener: Callable[[str], None] | None = None
+        self._done_listener: Callable[[str], None] | None = None
 
     def on_cancel(self, listener: Callable[[str], None]) -> None:
         """``listener(job_id)`` runs when a running job must stop (cancelled, or done elsewhere)."""
@@ -69,6 +70,14 @@ class Broker(abc.ABC):
     def _notify_cancel(self, job_id: str) -> None:
         if self._cancel_listener is not None:
             self._cancel_listener(job_id)
+
+    def on_done(self, listener: Callable[[str], None]) -> None:
+        """``listener(job_id)`` runs when a job reaches a terminal state (on any unit)."""
+        self._done_listener = listener
+
+    def _notify_done(self, job_id: str) -> None:
+        if self._done_listener is not None:
+            self._done_listener(job_id)
 
     # ---- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:

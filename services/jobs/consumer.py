@@ -16,14 +16,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from services.jobs.broker import Broker, QueueUnavailable
 from services.jobs.metrics import JobsMetrics
 from services.jobs.outcome import Verdict, classify, retry_after_s
 from services.jobs.records import CANCELLED, FAILED, KEPT_HEADERS, SUCCEEDED, Delivery, Outcome, error_doc
 from services.jobs.settings import JobsSettings
-from services.jobs.targets import Target
+from services.jobs.targets import Target, TargetTimeout, TargetUnreachable
 
 log = logging.getLogger("onecard.jobs")
 CANCEL, SHUTDOWN = "cancel", "shutdown"
@@ -57,14 +55,6 @@ class Running:
     stop_reason: str | None = None
 
 
-def _error_of(resp: httpx.Response) -> dict[str, Any]:
-    try:
-        err = resp.json()["error"]
-        return error_doc(str(err["code"]), str(err["message"]), resp.status_code)
-    except (ValueError, KeyError, TypeError):
-        return error_doc("service_error", resp.text[:500] or resp.reason_phrase, resp.status_code)
-
-
 class Consumer:
     def __init__(self, broker: Broker, target: Target, settings: JobsSettings, metrics: JobsMetrics,
                  renew_period_s: float):
@@ -93,13 +83,18 @@ class Consumer:
                 return f"the consumer of {self.label} has stopped"
         return None
 
-    async def stop(self, drain_s: float) -> None:
-        """Stop taking jobs; give running ones ``drain_s``, then hand the rest back to the queue."""
+    def stop_taking(self) -> None:
+        """Take no new job (the unit is draining); running ones carry on."""
         self._stopping = True
         if self._loop_task is not None:
             self._loop_task.cancel()
+
+    async def stop(self, drain_s: float) -> None:
+        """Stop taking jobs; give running ones ``drain_s``, then hand the rest back to the queue."""
+        self.stop_taking()
+        if self._loop_task is not None:
             await asyncio.gather(self._loop_task, return_exceptions=True)
-        if self._tasks:
+        if self._tasks and drain_s > 0:
             await asyncio.wait(set(self._tasks), timeout=drain_s)
         for run in list(self.running.values()):
             self._interrupt(run, SHUTDOWN)
@@ -226,30 +221,30 @@ class Consumer:
         while True:
             try:
                 resp = await self._interruptible(run, self.target.call(d.route, d.body, d.job_id))
-            except httpx.TimeoutException:
+            except TargetTimeout:
                 await self._requeue(d, error_doc("timeout", f"no answer from {self.target.name} within "
                                                  f"{self.settings.run_timeout_s:g} s"), counted=True)
                 return
-            except httpx.HTTPError as exc:
+            except TargetUnreachable as exc:
                 self.target.up = False  # checked again before this consumer takes more
-                await self._requeue(d, error_doc("service_unreachable", f"{self.target.name}: {exc!r}"),
-                                    counted=True)
+                # while the unit stops, its services stop too: not the job's fault
+                await self._requeue(d, error_doc("service_unreachable", str(exc)), counted=not self._stopping)
                 return
             if resp is None:
                 await self._stopped(d, run)
                 return
-            verdict = classify(resp.status_code, _error_of(resp)["code"] if resp.status_code >= 400 else None)
+            verdict = classify(resp.status, resp.error()["code"] if resp.status >= 400 else None)
             if verdict is Verdict.SUCCEEDED:
                 headers = {k: resp.headers[k] for k in KEPT_HEADERS if k in resp.headers}
-                await self._finish(d, Outcome(SUCCEEDED, resp.content, resp.headers.get("content-type",
-                                   "application/octet-stream"), resp.status_code, headers))
+                await self._finish(d, Outcome(SUCCEEDED, resp.body, resp.headers.get("content-type",
+                                   "application/octet-stream"), resp.status, headers))
                 return
             if verdict is Verdict.REJECTED:
-                await self._finish(d, Outcome(FAILED, resp.content, resp.headers.get("content-type", ""),
-                                              resp.status_code, error=_error_of(resp)))
+                await self._finish(d, Outcome(FAILED, resp.body, resp.headers.get("content-type", ""),
+                                              resp.status, error=resp.error()))
                 return
             if verdict is Verdict.ATTEMPT_FAILED:
-                await self._requeue(d, _error_of(resp), counted=True)
+                await self._requeue(d, resp.error(), counted=True)
                 return
             # backpressure: the service is full; hold the job, take nothing new, try again
             self.metrics.backpressure.inc()

@@ -63,6 +63,7 @@ class MemoryBroker(Broker):
             job["error"] = json.dumps(error)
         self.bodies.pop(job["id"], None)
         self._expire_later(job["id"], self.settings.results_ttl_s)
+        self._notify_done(job["id"])
 
     def _dead_letter(self, label: str, job: dict[str, str]) -> None:
         q = self.dead.setdefault(label, collections.deque(maxlen=self.settings.dead_letter_maxlen))

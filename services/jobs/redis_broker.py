@@ -55,6 +55,7 @@ class RedisBroker(Broker):
         self.p, self.group = settings.prefix, settings.group
         self.consumer = f"{node}-{os.getpid()}-{os.urandom(3).hex()}"
         self.channel = f"{self.p}:cancel"
+        self.done_channel = f"{self.p}:done"
         self.visibility_ms = int(settings.visibility_timeout_s * 1000)
         self.ttl_ms = int(settings.results_ttl_s * 1000)
         self.reclaim_period_s = max(0.2, settings.visibility_timeout_s / 2)
@@ -134,11 +135,14 @@ class RedisBroker(Broker):
         while True:
             pubsub = self.listener.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(self.channel)
+                await pubsub.subscribe(self.channel, self.done_channel)
                 delay = 0.1
                 async for msg in pubsub.listen():
                     if msg.get("type") == "message":
-                        self._notify_cancel(_s(msg["data"]))
+                        if _s(msg["channel"]) == self.channel:
+                            self._notify_cancel(_s(msg["data"]))
+                        else:
+                            self._notify_done(_s(msg["data"]))
             except (RedisError, OSError) as exc:
                 log.warning("jobs: cancel channel lost (%s); reconnecting", exc)
             finally:
@@ -196,7 +200,7 @@ class RedisBroker(Broker):
 
     async def cancel(self, job_id: str) -> tuple[str, dict[str, str]] | None:
         verdict = _s(await self._call("CANCEL", [self.job_key(job_id), self.body_key(job_id)],
-                                      [repr(self.clock()), self.ttl_ms, self.channel, job_id]))
+                                      [repr(self.clock()), self.ttl_ms, self.channel, job_id, self.done_channel]))
         fields = await self.get(job_id) if verdict != "missing" else None
         return (verdict, fields) if fields else None
 
@@ -271,7 +275,8 @@ class RedisBroker(Broker):
                 res = await self._call("START", [self.job_key(job_id), self.body_key(job_id), self.stream(label),
                                                  self.dead_stream(label), self.stats_key],
                                        [self.group, entry, self.node, repr(self.clock()), self.settings.max_attempts,
-                                        self.ttl_ms, label, self.settings.dead_letter_maxlen, job_id, self.consumer])
+                                        self.ttl_ms, label, self.settings.dead_letter_maxlen, job_id, self.consumer,
+                                        self.done_channel])
                 if _s(res[0]) != "run":
                     if _s(res[0]) == "dead":
                         log.warning("jobs: %s failed after %d attempts; dead-lettered", job_id,
@@ -298,7 +303,7 @@ class RedisBroker(Broker):
                                 outcome.content_type or "", outcome.status or "", json.dumps(outcome.headers),
                                 json.dumps(outcome.error) if outcome.error else "",
                                 "1" if outcome.dead_letter else "0", d.label, self.settings.dead_letter_maxlen,
-                                d.job_id, d.attempt, self.channel])
+                                d.job_id, d.attempt, self.channel, self.done_channel])
         return _s(res) == "ok"
 
     async def requeue(self, d: Delivery, error: dict[str, Any] | None, counted: bool) -> str:
@@ -306,7 +311,7 @@ class RedisBroker(Broker):
                                            self.dead_stream(d.label), self.stats_key],
                                [self.group, d.entry, repr(self.clock()), json.dumps(error) if error else "",
                                 "1" if counted else "0", self.settings.max_attempts, self.ttl_ms, d.label,
-                                self.settings.dead_letter_maxlen, d.job_id])
+                                self.settings.dead_letter_maxlen, d.job_id, self.done_channel])
         return _s(res)
 
     async def stream_stats(self, labels: list[str]) -> list[dict[str, Any]]:

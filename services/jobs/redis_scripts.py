@@ -5,7 +5,7 @@ Keys (prefix P, one model label L, one job id J):
   P:result:J   the service's answer (bytes)            P:idem:SHA  Idempotency-Key -> J
   P:stream:L   the model's work stream (entries: id=J) P:dead:L    its dead-letter stream
   P:models     hash L -> what units announced          P:stats     hash of counters (dead:L)
-  P:cancel     pub/sub channel: J must stop now
+  P:cancel     pub/sub channel: J must stop now       P:done      pub/sub channel: J has finished
 Stream entries of finished jobs are acknowledged and deleted, so a stream holds only
 queued and running work; entries of jobs cancelled while queued stay until a consumer
 skips them, which keeps the group's lag exact (deleting undelivered entries makes it
@@ -35,7 +35,7 @@ return {'ok', entry}
 """
 
 # KEYS: job, body, stream, dead, stats
-# ARGV: group, entry, node, now, max_attempts, ttl_ms, label, dead_maxlen, job_id, consumer
+# ARGV: group, entry, node, now, max_attempts, ttl_ms, label, dead_maxlen, job_id, consumer, done_channel
 START = _COMMON + """
 local function drop() redis.call('XACK', KEYS[3], ARGV[1], ARGV[2]); redis.call('XDEL', KEYS[3], ARGV[2]) end
 local f = redis.call('HMGET', KEYS[1], 'state', 'entry', 'cancel', 'attempts', 'last_error', 'route', 'queued_at', 'node')
@@ -47,6 +47,7 @@ local function terminal(s, err)
   redis.call('HSET', KEYS[1], 'state', s, 'finished_at', ARGV[4], 'progress', '1', 'error', err)
   redis.call('DEL', KEYS[2])
   redis.call('PEXPIRE', KEYS[1], ARGV[6])
+  redis.call('PUBLISH', ARGV[11], ARGV[9])
 end
 local function dead(err)
   terminal('failed', err)
@@ -93,7 +94,7 @@ return out
 
 # KEYS: job, body, result, stream, dead, stats
 # ARGV: group, entry, state, now, ttl_ms, has_result, result, content_type, status, headers, error,
-#       dead_letter, label, dead_maxlen, job_id, attempt, channel
+#       dead_letter, label, dead_maxlen, job_id, attempt, cancel_channel, done_channel
 FINISH = _COMMON + """
 redis.call('XACK', KEYS[4], ARGV[1], ARGV[2]); redis.call('XDEL', KEYS[4], ARGV[2])
 local f = redis.call('HMGET', KEYS[1], 'state', 'attempts')
@@ -110,11 +111,12 @@ if ARGV[12] == '1' then
 end
 -- another unit runs it too (it was reclaimed from us, or we from it): tell it to stop
 if f[2] ~= ARGV[16] then redis.call('PUBLISH', ARGV[17], ARGV[15]) end
+redis.call('PUBLISH', ARGV[18], ARGV[15])
 return 'ok'
 """
 
 # KEYS: job, body, stream, dead, stats
-# ARGV: group, entry, now, error, counted, max_attempts, ttl_ms, label, dead_maxlen, job_id
+# ARGV: group, entry, now, error, counted, max_attempts, ttl_ms, label, dead_maxlen, job_id, done_channel
 REQUEUE = _COMMON + """
 local function drop() redis.call('XACK', KEYS[3], ARGV[1], ARGV[2]); redis.call('XDEL', KEYS[3], ARGV[2]) end
 local f = redis.call('HMGET', KEYS[1], 'state', 'entry', 'cancel', 'attempts', 'last_error')
@@ -127,6 +129,7 @@ local function terminal(s, e)
   redis.call('HSET', KEYS[1], 'state', s, 'finished_at', ARGV[3], 'progress', '1', 'error', e)
   redis.call('DEL', KEYS[2])
   redis.call('PEXPIRE', KEYS[1], ARGV[7])
+  redis.call('PUBLISH', ARGV[11], ARGV[10])
 end
 if f[3] == '1' then
   terminal('cancelled', '{"code":"cancelled","message":"cancelled while it ran"}')
@@ -146,7 +149,7 @@ redis.call('HSET', KEYS[1], 'state', 'queued', 'entry', entry, 'node', '', 'queu
 return 'requeued'
 """
 
-# KEYS: job, body     ARGV: now, ttl_ms, channel, job_id
+# KEYS: job, body     ARGV: now, ttl_ms, cancel_channel, job_id, done_channel
 CANCEL = _COMMON + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return 'missing' end
@@ -157,6 +160,7 @@ if state == 'queued' then
              'error', '{"code":"cancelled","message":"cancelled before it ran"}')
   redis.call('DEL', KEYS[2])
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('PUBLISH', ARGV[5], ARGV[4])
   return 'cancelled'
 end
 redis.call('PUBLISH', ARGV[3], ARGV[4])

@@ -10,15 +10,15 @@ import logging
 import os
 from typing import Any, Callable
 
-import httpx
 
 from services.jobs.broker import Broker, ModelInfo, QueueUnavailable
 from services.jobs.consumer import Consumer
 from services.jobs.memory_broker import MemoryBroker
 from services.jobs.metrics import STAGES, JobsMetrics
 from services.jobs.payload import Limits, SubmitRequest
+from services.jobs.records import TERMINAL
 from services.jobs.settings import JobsSettings
-from services.jobs.targets import Target, unit_services
+from services.jobs.targets import Target, TargetTimeout, TargetUnreachable, unit_services
 from services.runtime.errors import ApiError
 
 log = logging.getLogger("onecard.jobs")
@@ -40,6 +40,11 @@ class JobsService:
         self.metrics = JobsMetrics()
         self.broker = make_broker(settings, self.node)
         self.broker.on_cancel(self._cancel_running)
+        self.broker.on_done(self._job_done)
+        self._waiters: dict[str, asyncio.Event] = {}
+        self._waiting: dict[str, int] = {}
+        self.draining = False
+        self._drain_deadline: float | None = None
         run_timeout = settings.run_timeout_s
         self.targets = [Target(n, t.url, t, run_timeout, settings.dry_run_timeout_s)
                         for n, t in unit_services(settings, name, environ).items()]
@@ -93,7 +98,7 @@ class JobsService:
         while True:
             try:
                 return await t.discover()
-            except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:
+            except (TargetUnreachable, TargetTimeout, ValueError, TypeError, AttributeError) as exc:
                 log.warning("jobs: cannot read %s's /info (%r); retrying", t.name, exc)
                 await asyncio.sleep(delay)
                 delay = min(5.0, delay * 2)
@@ -108,12 +113,26 @@ class JobsService:
                 await asyncio.sleep(delay)
                 delay = min(5.0, delay * 2)
 
+    def begin_drain(self) -> None:
+        """SIGTERM: take no new job from now on, wake every long poll; running jobs carry on
+        for drain_s (counted from now, not from when the HTTP connections are closed)."""
+        if self.draining:
+            return
+        self.draining = True
+        self._drain_deadline = asyncio.get_running_loop().time() + self.settings.resolved_drain_s()
+        log.info("jobs: draining: no new jobs; %d running", sum(len(c.running) for c in self.consumers.values()))
+        for c in self.consumers.values():
+            c.stop_taking()
+        for ev in self._waiters.values():
+            ev.set()
+
     async def shutdown(self) -> None:
+        self.begin_drain()
         self.ready = False
         if self._startup_task is not None and not self._startup_task.done():
             self._startup_task.cancel()
             await asyncio.gather(self._startup_task, return_exceptions=True)
-        drain = self.settings.resolved_drain_s()
+        drain = max(0.0, self._drain_deadline - asyncio.get_running_loop().time())
         await asyncio.gather(*(c.stop(drain) for c in self.consumers.values()))
         for t in self.targets:
             await t.close()
@@ -131,6 +150,30 @@ class JobsService:
             if p:
                 return p
         return None
+
+    def _job_done(self, job_id: str) -> None:
+        ev = self._waiters.get(job_id)
+        if ev is not None:
+            ev.set()
+
+    async def wait_finished(self, job_id: str, timeout: float) -> dict[str, str] | None:
+        """The job's fields once it is finished, or after ``timeout`` (a long poll)."""
+        ev = self._waiters.setdefault(job_id, asyncio.Event())
+        self._waiting[job_id] = self._waiting.get(job_id, 0) + 1
+        try:
+            fields = await self.broker.get(job_id)  # after registering: a finish cannot slip between
+            if fields is None or fields.get("state") in TERMINAL or timeout <= 0 or self.draining:
+                return fields
+            try:
+                await asyncio.wait_for(ev.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+            return await self.broker.get(job_id)
+        finally:
+            self._waiting[job_id] -= 1
+            if not self._waiting[job_id]:
+                del self._waiting[job_id]
+                del self._waiters[job_id]
 
     def _cancel_running(self, job_id: str) -> None:
         for c in self.consumers.values():

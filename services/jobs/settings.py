@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 LABEL_RE = re.compile(r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+/[A-Za-z0-9_.+-]+$")
@@ -93,8 +91,10 @@ class JobsSettings(_Strict):
     backpressure_requeue_s: float = Field(30.0, gt=0, le=3600, description="a job the local service keeps "
                                           "refusing with 503 goes back on the queue after this")
     dry_run_timeout_s: float = Field(10.0, gt=0, le=600, description="time limit of a submit's dry run")
-    drain_s: float | None = Field(None, gt=0, le=3600, description="on SIGTERM, wait this long for running jobs "
-                                  "(default: $ONECARD_DRAIN_S, else 10); the rest go back on the queue")
+    drain_s: float | None = Field(None, ge=0, le=3600, description="on SIGTERM, wait this long for running jobs "
+                                  "(default: $ONECARD_DRAIN_S, else 70 % of the supervisor's grace_s); the rest "
+                                  "go back on the queue")
+    max_wait_s: float = Field(10.0, ge=0, le=300, description="longest GET /v1/jobs/{id}?wait= (long poll)")
     retry_after_s: int = Field(1, ge=0, le=3600, description="Retry-After on 503 and on unfinished results")
     api_key: str | None = Field(None, description="require this key (Bearer or X-API-Key)")
     api_key_env: str | None = Field(None, description="...or read the key from this environment variable")
@@ -142,13 +142,18 @@ class JobsSettings(_Strict):
         return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:128] or "node"
 
     def resolved_drain_s(self) -> float:
+        """The drain must end inside the supervisor's grace (SIGKILL after it): by default
+        $ONECARD_DRAIN_S, else 70 % of $ONECARD_GRACE_S, else 7 s."""
         if self.drain_s is not None:
             return self.drain_s
         try:
-            return max(0.0, float(os.environ.get("ONECARD_DRAIN_S", "10")))
+            if os.environ.get("ONECARD_DRAIN_S"):
+                return max(0.0, float(os.environ["ONECARD_DRAIN_S"]))
+            if os.environ.get("ONECARD_GRACE_S"):
+                return max(0.0, 0.7 * float(os.environ["ONECARD_GRACE_S"]))
         except ValueError:
-            return 10.0
+            pass
+        return 7.0
 
 
-Mode = Literal["embedded", "redis"]
 SERVICE_SETTINGS = JobsSettings

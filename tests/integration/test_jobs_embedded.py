@@ -263,3 +263,13 @@ def test_results_expire_and_the_api_key_guards_the_api(tmp_path):
         assert r.status_code == 404 and r.json()["error"]["code"] == "job_not_found"
     finally:
         u.stop()
+
+
+def test_long_poll_answers_when_the_job_finishes(unit):
+    job = unit.submit("scripted", WORK, body={"tag": "slow-poll", "sleep_s": 1.0})
+    # if the finish did not wake the poll, it would hold for max_wait_s (10 s) and the client give up first
+    r = unit.api.get(f"/v1/jobs/{job['id']}", params={"wait": 30}, timeout=8)
+    assert r.status_code == 200 and r.json()["state"] == "succeeded" and r.json()["result"]["tag"] == "slow-poll"
+    assert unit.api.get(f"/v1/jobs/{job['id']}", params={"wait": 5}, timeout=2).json()["state"] == "succeeded"
+    assert unit.api.get(f"/v1/jobs/{job['id']}", params={"wait": "soon"}).status_code == 422
+    assert unit.api.get("/v1/jobs/" + "1" * 32, params={"wait": 1}).status_code == 404

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import signal
 import time
 
 import httpx
@@ -39,10 +40,10 @@ def pair(server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pair")
     queue = {"url": server.url, "prefix": "pair", "visibility_timeout_s": 300, "max_attempts": 3}
     a = Unit(tmp, "unit-a", {"detect": (DETECT_APP, {"backend": "haar", "warmup_runs": 1}),
-                             "scripted": (TARGET_APP, {"model": "shared", "unit": "a", "batch": 2})},
+                             "scripted": (TARGET_APP, {"model": "shared", "unit": "a", "batch": 2, "dry_run": True})},
              queue=queue, accept_models=["scripted/scripted/nobody"])
     b = Unit(tmp, "unit-b", {"detect": (DETECT_APP, {"backend": "centerface", "max_side": 320, "warmup_runs": 1}),
-                             "scripted": (TARGET_APP, {"model": "shared", "unit": "b", "batch": 2})},
+                             "scripted": (TARGET_APP, {"model": "shared", "unit": "b", "batch": 2, "dry_run": True})},
              queue=queue, accept_models=["scripted/scripted/nobody"])
     try:
         start_units(a, b)
@@ -205,7 +206,7 @@ def test_results_expire_after_their_ttl(server, rds, tmp_path):
 
 def test_sigkill_a_unit_mid_job_and_the_job_completes_on_the_other_with_one_result(server, rds, tmp_path):
     queue = {"url": server.url, "prefix": "kill", "visibility_timeout_s": 1.0, "max_attempts": 3}
-    units = [Unit(tmp_path, f"unit-{n}", {"scripted": (TARGET_APP, {"model": "m1", "unit": n})}, queue=queue)
+    units = [Unit(tmp_path, f"unit-{n}", {"scripted": (TARGET_APP, {"model": "m1", "unit": n, "dry_run": True})}, queue=queue)
              for n in ("x", "y")]
     try:
         start_units(*units)
@@ -234,7 +235,7 @@ def test_sigkill_a_unit_mid_job_and_the_job_completes_on_the_other_with_one_resu
 
 def test_redis_killed_and_restarted_mid_run_loses_no_accepted_job(tmp_path):
     with RedisServer(tmp_path, aof=True) as srv:
-        u = Unit(tmp_path, "restart", {"scripted": (TARGET_APP, {"model": "m1", "batch": 3})},
+        u = Unit(tmp_path, "restart", {"scripted": (TARGET_APP, {"model": "m1", "batch": 3, "dry_run": True})},
                  queue={"url": srv.url, "prefix": "rs", "visibility_timeout_s": 2.0})
         try:
             start_units(u)
@@ -274,3 +275,46 @@ def test_redis_killed_and_restarted_mid_run_loses_no_accepted_job(tmp_path):
             assert {f"r{i}" for i in range(40)} <= set(started)
         finally:
             u.stop()
+
+
+def test_long_poll_on_one_unit_wakes_when_another_finishes_the_job(pair):
+    a, b = pair
+    job = a.submit("detect", "/api/v1/facedetect", model=centerface_label(b), image=face())
+    r = a.api.get(f"/v1/jobs/{job['id']}", params={"wait": 30}, timeout=8)  # run by b, awaited on a
+    assert r.json()["state"] == "succeeded" and r.json()["node"] == "unit-b"
+
+
+def test_sigterm_drains_a_unit_it_takes_nothing_new_and_hands_back_what_it_cannot_finish(server, tmp_path):
+    queue = {"url": server.url, "prefix": "drain", "visibility_timeout_s": 30}
+    target = {"scripted": (TARGET_APP, {"model": "m1", "unit": "x", "dry_run": True})}
+    x = Unit(tmp_path, "unit-x", target, target_settings={"scripted": {"max_in_flight": 1}}, queue=queue, drain_s=1.0)
+    y = Unit(tmp_path, "unit-y", {"scripted": (TARGET_APP, {"model": "m1", "unit": "y", "dry_run": True})},
+             queue=queue)
+    try:
+        start_units(x)
+        long = x.submit("scripted", WORK, body={"tag": "long", "sleep_s": 4})
+        x.wait(long["id"], ("running",))
+        nxt = x.submit("scripted", WORK, body={"tag": "next"})
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            poll = pool.submit(lambda: x.api.get(f"/v1/jobs/{nxt['id']}", params={"wait": 10}, timeout=20))
+            time.sleep(0.3)  # the long poll is open
+            x.jobs.proc.send_signal(signal.SIGTERM)
+            assert poll.result(timeout=5).json()["state"] == "queued"  # woken by the drain, not held 10 s
+        # uvicorn re-raises the SIGTERM it captured once its graceful shutdown is over
+        assert x.jobs.proc.wait(timeout=20) in (0, -signal.SIGTERM)
+        rds = redis.Redis.from_url(server.url)
+        try:
+            state = {k.decode(): v.decode() for k, v in rds.hgetall(f"drain:job:{long['id']}").items()}
+            assert state["state"] == "queued" and state["attempts"] == "0"  # handed back, not a failed attempt
+            assert rds.hget(f"drain:job:{nxt['id']}", "state") == b"queued"
+        finally:
+            rds.close()
+        calls = x.calls("scripted")
+        assert "next" not in calls["started"] and "long" in calls["disconnected"]
+        start_units(y)
+        for job in (long, nxt):
+            done = y.wait(job["id"])
+            assert done["state"] == "succeeded" and done["node"] == "unit-y" and done["attempts"] == 1
+    finally:
+        x.stop()
+        y.stop()
