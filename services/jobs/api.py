@@ -118,38 +118,31 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
                                             "description": "long poll: answer once the job is finished, or "
                                             "after this many seconds (at most max_wait_s)"}]})
     async def get_job(job_id: str, request: Request) -> Any:
-        wait = request.query_params.get("wait")
-        if wait is None:
-            fields = await fields_of(job_id)
-        else:
+        want = request.query_params.get("result", "true").lower() not in ("0", "false", "no")
+        wait_s = 0.0
+        if (wait := request.query_params.get("wait")) is not None:
             try:
                 wait_s = min(float(wait), settings.max_wait_s)
             except ValueError:
                 raise ApiError(422, "invalid_parameter", "wait: expected seconds") from None
             if not wait_s >= 0:
                 raise ApiError(422, "invalid_parameter", "wait: expected seconds >= 0")
-            await fields_of(job_id)
-            try:
-                fields = await svc.wait_finished(job_id, wait_s)
-            except QueueUnavailable as exc:
-                raise _unavailable(svc, exc) from None
-            if fields is None:
-                raise ApiError(404, "job_not_found", f"no job {job_id}")
+        if not valid_id(job_id):
+            raise ApiError(404, "job_not_found", "no such job (ids are 32 hex digits)")
+        try:
+            found = await svc.job(job_id, wait_s, want)
+        except QueueUnavailable as exc:
+            raise _unavailable(svc, exc) from None
+        if found is None:
+            raise ApiError(404, "job_not_found", f"no job {job_id} (unknown, or expired after "
+                           f"{settings.queue.results_ttl_s:g} s)")
+        fields, data = found
         view = public_view(fields)
         view["result"] = None
-        size = 0
-        want = request.query_params.get("result", "true").lower() not in ("0", "false", "no")
-        if view["state"] == SUCCEEDED and want:
-            try:
-                data = await svc.broker.result(job_id)
-            except QueueUnavailable as exc:
-                raise _unavailable(svc, exc) from None
-            if data is not None:
-                size = len(data)
-                headers = json.loads(fields.get("result_headers") or "{}")
-                view["result"] = await svc.cpu(len(data), render_result, data, fields.get("result_type", ""),
-                                               headers)
-        body = await svc.cpu(size, json.dumps, view)
+        if view["state"] == SUCCEEDED and data is not None:
+            headers = json.loads(fields.get("result_headers") or "{}")
+            view["result"] = await svc.cpu(len(data), render_result, data, fields.get("result_type", ""), headers)
+        body = await svc.cpu(len(data or b""), json.dumps, view)
         return Response(body, media_type="application/json")
 
     @app.get("/v1/jobs/{job_id}/result", summary="The service's answer: its bytes and content type",
@@ -178,7 +171,8 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
 
     @app.delete("/v1/jobs/{job_id}", summary="Cancel a job")
     async def cancel(job_id: str) -> Any:
-        await fields_of(job_id)
+        if not valid_id(job_id):
+            raise ApiError(404, "job_not_found", "no such job (ids are 32 hex digits)")
         try:
             found = await svc.broker.cancel(job_id)
         except QueueUnavailable as exc:

@@ -102,6 +102,13 @@ class Broker(abc.ABC):
     @abc.abstractmethod
     async def result(self, job_id: str) -> bytes | None: ...
 
+    async def read(self, job_id: str, with_result: bool) -> tuple[dict[str, str], bytes | None] | None:
+        """The job's fields and, when it succeeded and asked for, its result."""
+        fields = await self.get(job_id)
+        if fields is None:
+            return None
+        return fields, (await self.result(job_id) if with_result and fields.get("state") == "succeeded" else None)
+
     @abc.abstractmethod
     async def cancel(self, job_id: str) -> tuple[str, dict[str, str]] | None:
         """(verdict, the job's fields): 'cancelled' (it was queued), 'cancelling' (it runs: the

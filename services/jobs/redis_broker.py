@@ -198,6 +198,21 @@ class RedisBroker(Broker):
         except (RedisError, OSError) as exc:
             raise QueueUnavailable(str(exc)) from exc
 
+    async def read(self, job_id: str, with_result: bool) -> tuple[dict[str, str], bytes | None] | None:
+        """One round trip for both (a result is kept as long as its job)."""
+        try:
+            async with self.r.pipeline(transaction=False) as pipe:
+                pipe.hgetall(self.job_key(job_id))
+                if with_result:
+                    pipe.get(self.result_key(job_id))
+                res = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise QueueUnavailable(str(exc)) from exc
+        fields = {_s(k): _s(v) for k, v in res[0].items()}
+        if not fields:
+            return None
+        return fields, (res[1] if with_result and fields.get("state") == "succeeded" else None)
+
     async def cancel(self, job_id: str) -> tuple[str, dict[str, str]] | None:
         verdict = _s(await self._call("CANCEL", [self.job_key(job_id), self.body_key(job_id)],
                                       [repr(self.clock()), self.ttl_ms, self.channel, job_id, self.done_channel]))

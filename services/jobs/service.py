@@ -156,19 +156,21 @@ class JobsService:
         if ev is not None:
             ev.set()
 
-    async def wait_finished(self, job_id: str, timeout: float) -> dict[str, str] | None:
-        """The job's fields once it is finished, or after ``timeout`` (a long poll)."""
+    async def job(self, job_id: str, wait_s: float, with_result: bool) -> tuple[dict[str, str], bytes | None] | None:
+        """The job's fields (and result), once it is finished or after ``wait_s`` (a long poll)."""
+        if wait_s <= 0 or self.draining:
+            return await self.broker.read(job_id, with_result)
         ev = self._waiters.setdefault(job_id, asyncio.Event())
         self._waiting[job_id] = self._waiting.get(job_id, 0) + 1
         try:
-            fields = await self.broker.get(job_id)  # after registering: a finish cannot slip between
-            if fields is None or fields.get("state") in TERMINAL or timeout <= 0 or self.draining:
-                return fields
+            found = await self.broker.read(job_id, with_result)  # after registering: no finish slips between
+            if found is None or found[0].get("state") in TERMINAL:
+                return found
             try:
-                await asyncio.wait_for(ev.wait(), timeout)
+                await asyncio.wait_for(ev.wait(), wait_s)
             except asyncio.TimeoutError:
                 pass
-            return await self.broker.get(job_id)
+            return await self.broker.read(job_id, with_result)
         finally:
             self._waiting[job_id] -= 1
             if not self._waiting[job_id]:
