@@ -75,10 +75,17 @@ def test_arbitrary_style_from_a_style_image(style):
     assert np.abs(as_array(r.content) - preset).mean() > 5
 
 
+def test_strength_zero_keeps_the_picture(style):
+    out = as_array(post(style, "?style=3&strength=0").content)
+    assert np.abs(out - astronaut().astype(np.float32)).mean() < 1.0
+
+
 @pytest.mark.parametrize("query,field", [
-    ("?strength=0", "strength"), ("?strength=1.5", "strength"), ("?steps=0", "steps"),
+    ("?strength=-0.1", "strength"), ("?strength=1.5", "strength"), ("?steps=0", "steps"),
     ("?guidance_scale=nan", "guidance_scale"), ("?seed=abc", "seed"), ("?format=gif", "format"),
     ("?style=99", "style"), ("?bogus=1", "bogus"), ("?steps=900", "steps"),
+    ("?style=3:nan", "style"), ("?style=3:inf", "style"), ("?style=3:1e308", "style"),
+    ("?guidance_scale=inf", "guidance_scale"), ("?seed=1.5", "seed"),
 ])
 def test_bad_parameters_are_422_naming_the_field(style, query, field):
     r = post(style, query)
@@ -96,10 +103,11 @@ def test_webui_api_and_progress(style):
     assert set(doc) == {"images", "parameters", "info"}
     assert Image.open(io.BytesIO(base64.b64decode(doc["images"][0]))).size == (320, 240)
     info = json.loads(doc["info"])
-    assert info["seed"] == 42 and info["ignored_fields"] == ["override_settings", "restore_faces"]
+    assert info["seed"] == 42 and info["ignored_fields"] == ["restore_faces"]
     assert doc["parameters"]["denoising_strength"] == 0.6
     bad = httpx.post(style.url + "/sdapi/v1/img2img", json={**body, "denoising_strength": 3}, timeout=60)
-    assert bad.status_code == 422 and "denoising_strength" in bad.json()["error"]["message"]
+    assert bad.status_code == 422 and bad.json()["error"] == "invalid_parameter"
+    assert "denoising_strength" in bad.json()["detail"]
     prog = httpx.get(style.url + "/sdapi/v1/progress").json()
     assert prog["progress"] == 0.0 and prog["state"]["job_count"] == 0
 
