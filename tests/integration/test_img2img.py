@@ -4,6 +4,7 @@ loaded through the real config path, and the webui-compatible API."""
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import io
 import json
 import socket
@@ -185,3 +186,140 @@ def test_running_generation_stops_at_its_deadline(sd_dir, tmp_path):
         assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
         assert took < 10
         assert _progress(svc)["state"]["job_count"] == 0
+
+
+# ---- batching ---------------------------------------------------------------------------
+def _batch_sizes(svc) -> dict[str, float]:
+    """onecard_batch_size histogram counts by bucket (cumulative)."""
+    out = {}
+    for line in httpx.get(svc.url + "/metrics").text.splitlines():
+        if line.startswith("onecard_batch_size_bucket"):
+            le = line.split('le="')[1].split('"')[0]
+            out[le] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _stats(svc) -> dict:
+    return httpx.get(svc.url + "/stats", timeout=5).json()
+
+
+def _wait(cond, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.03)
+    raise AssertionError(f"{what} not reached within {timeout} s")
+
+
+def _hold(svc, body: bytes) -> socket.socket:
+    """A long generation on the model, ended by closing the socket."""
+    s = socket.create_connection(("127.0.0.1", svc.port))
+    s.sendall(b"POST /api/v1/img2img?steps=900&strength=1&seed=9 HTTP/1.1\r\nHost: x\r\n"
+              b"Content-Type: image/png\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    _wait(lambda: _progress(svc)["state"]["sampling_step"] >= 1, what="the holder generating")
+    return s
+
+
+def test_diffusers_batches_compatible_requests_and_each_matches_its_solo_result(diffusers_svc):
+    svc = diffusers_svc
+    queries = ["?seed=11&steps=4&strength=0.8&prompt=a+cat", "?seed=12&steps=4&strength=0.8&prompt=a+dog",
+               "?seed=13&steps=4&strength=0.8&prompt=a+cat&negative_prompt=blurry"]
+    solo = [post(svc, q, body=small_input()).content for q in queries]
+    before = _batch_sizes(svc)
+    holder = _hold(svc, small_input())
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futs = []
+        for q in queries:
+            futs.append(pool.submit(post, svc, q, body=small_input()))
+            n = len(futs)
+            _wait(lambda n=n: _stats(svc)["items_pending"] == n, what="queued")
+        holder.close()  # the holder's generation stops; the three queued go as one batch
+        batched = [f.result() for f in futs]
+    assert all(r.status_code == 200 for r in batched)
+    after = _batch_sizes(svc)
+    assert after["3.0"] - after["2.0"] - (before["3.0"] - before["2.0"]) == 1  # one call of three
+    for alone, together in zip(solo, batched):
+        diff = np.abs(as_array(alone) - as_array(together.content)).max()
+        assert diff <= 2, diff  # same seed, same picture, batched or alone
+
+
+def test_a_client_leaving_its_batch_does_not_cancel_the_others(diffusers_svc):
+    svc = diffusers_svc
+    keep_q = "?seed=21&steps=40&strength=1&prompt=stay"
+    alone = post(svc, keep_q, body=small_input()).content
+    holder = _hold(svc, small_input())
+    body = small_input()
+    leaver = socket.create_connection(("127.0.0.1", svc.port))
+    leaver.sendall(b"POST /api/v1/img2img?seed=22&steps=40&strength=1&prompt=go HTTP/1.1\r\nHost: x\r\n"
+                   b"Content-Type: image/png\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    _wait(lambda: _stats(svc)["items_pending"] == 1, what="leaver queued")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        stayer = pool.submit(post, svc, keep_q, body=small_input())
+        _wait(lambda: _stats(svc)["items_pending"] == 2, what="stayer queued")
+        holder.close()
+        _wait(lambda: _progress(svc)["state"]["job_count"] == 2 and _progress(svc)["state"]["sampling_step"] >= 2,
+              what="the batch of two generating")
+        leaver.close()
+        r = stayer.result()
+    assert r.status_code == 200
+    assert np.abs(as_array(alone) - as_array(r.content)).max() <= 2  # it ran to the end, unchanged
+
+
+def test_every_client_leaving_stops_the_batch_between_steps(diffusers_svc):
+    svc = diffusers_svc
+    holder = _hold(svc, small_input())
+    body = small_input()
+    socks = []
+    for seed in (31, 32):
+        s = socket.create_connection(("127.0.0.1", svc.port))
+        s.sendall(f"POST /api/v1/img2img?seed={seed}&steps=900&strength=1 HTTP/1.1\r\nHost: x\r\n".encode()
+                  + b"Content-Type: image/png\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        socks.append(s)
+        _wait(lambda n=len(socks): _stats(svc)["items_pending"] == n, what="queued")
+    holder.close()
+    _wait(lambda: _progress(svc)["state"]["job_count"] == 2 and _progress(svc)["state"]["sampling_step"] >= 2,
+          what="the batch of two generating")
+    for s in socks:
+        s.close()
+    _wait(lambda: _progress(svc)["state"]["job_count"] == 0, timeout=5, what="the batch stopped")
+    assert post(svc, "?steps=2&seed=1", body=small_input()).status_code == 200
+
+
+def test_style_batches_requests_of_the_same_style_and_size(tmp_path):
+    settings = {"backend": "style", "max_side": 256, "max_batch_size": 4, "max_wait_ms": 300}
+    with ServiceProcess(APP, settings, tmp_path) as svc:
+        src = encode(np.asarray(Image.fromarray(astronaut()).resize((256, 256))))
+        solo = as_array(post(svc, "?style=5", body=src).content)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            rs = list(pool.map(lambda _: post(svc, "?style=5", body=src), range(4)))
+        assert all(r.status_code == 200 for r in rs)
+        sizes = _batch_sizes(svc)
+        assert sizes["4.0"] - sizes["3.0"] >= 1  # one call of four
+        for r in rs:
+            assert np.abs(as_array(r.content) - solo).max() <= 1
+        mixed = [lambda: post(svc, "?style=5", body=src), lambda: post(svc, "?style=6", body=src)]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            a, b = [f.result() for f in [pool.submit(m) for m in mixed]]
+        assert np.abs(as_array(a.content) - as_array(b.content)).mean() > 5  # each kept its own style
+
+
+def test_incompatible_requests_run_in_separate_calls(diffusers_svc):
+    svc = diffusers_svc
+    queries = ["?seed=41&steps=4&strength=0.8", "?seed=41&steps=6&strength=0.8",
+               "?seed=41&steps=4&strength=0.5", "?seed=41&steps=4&strength=0.8&guidance_scale=2"]
+    solo = [post(svc, q, body=small_input()).content for q in queries]
+    before = _batch_sizes(svc)
+    holder = _hold(svc, small_input())
+    with concurrent.futures.ThreadPoolExecutor(len(queries)) as pool:
+        futs = []
+        for q in queries:
+            futs.append(pool.submit(post, svc, q, body=small_input()))
+            n = len(futs)
+            _wait(lambda n=n: _stats(svc)["items_pending"] == n, what="queued")
+        holder.close()
+        rs = [f.result() for f in futs]
+    after = _batch_sizes(svc)
+    assert after["1.0"] - before["1.0"] == len(queries) + 1  # the holder and each alone
+    for alone, r in zip(solo, rs):
+        assert np.abs(as_array(alone) - as_array(r.content)).max() <= 2
