@@ -283,3 +283,26 @@ def test_admission_with_max_queue_zero_admits_only_to_an_idle_model():
         a.admit()  # the model is busy: no waiting allowed
     t.release()
     a.admit()
+
+
+def test_an_expired_item_behind_the_head_does_not_join_the_batch():
+    async def main():
+        sched, backend = scheduler(request_timeout_s=30)
+        blocker = await hold(sched, backend)
+        fresh = asyncio.ensure_future(sched.submit([Item("fresh")], "k", Timing(), None))
+        await until(lambda: sched.pending_items == 1)
+        from services.runtime.scheduler import Job, _Entry
+        loop = asyncio.get_running_loop()
+        old = Timing()
+        old.t0 -= 100
+        stale = Job([Item("stale")], "k", old.t0 + 1, old.t0, loop.create_future())
+        stale.results, stale.remaining = [None], 1
+        sched._pending.append(_Entry(stale, 0))  # compatible, behind the head, long expired
+        backend.gate.set()
+        await asyncio.gather(blocker, fresh)
+        await asyncio.sleep(0.05)
+        await sched.stop()
+        return backend.batches
+
+    batches = run(main())
+    assert batches[1] == ["fresh"] and all("stale" not in b for b in batches)
