@@ -65,6 +65,23 @@ def test_boxes_are_in_original_pixels_when_the_image_is_resized(centerface):
     assert inside(faces[0]["box"], tuple(3 * v for v in FACE), slack=45)
 
 
+def test_exif_orientation_is_applied_before_detection(centerface):
+    """Stored sideways with EXIF orientation 6 (view rotated 90 degrees clockwise), as phones do."""
+    from tests.images import exif_rotated_jpeg
+    stored = np.ascontiguousarray(np.rot90(astronaut(), k=1))  # what the sensor wrote
+    doc = detect(centerface, exif_rotated_jpeg(stored, 6), "image/jpeg").json()
+    assert (doc["width"], doc["height"]) == (512, 512)
+    assert len(doc["faces"]) == 1 and inside(doc["faces"][0]["box"], FACE, slack=20)
+
+
+def test_a_large_jpeg_decoded_at_reduced_scale_still_answers_in_its_own_pixels(centerface):
+    big = np.asarray(Image.fromarray(astronaut()).resize((3072, 3072)))  # DCT scaling to 1/4
+    faces = detect(centerface, encode(big, "JPEG", quality=90), "image/jpeg").json()["faces"]
+    assert len(faces) == 1
+    assert inside(faces[0]["box"], tuple(6 * v for v in FACE), slack=90)
+    assert all(0 <= v <= 3072 for v in faces[0]["box"])
+
+
 def test_parameters_min_score_max_faces_and_json_input(centerface):
     body = {"image": base64.b64encode(group_photo_jpeg()).decode(), "max_faces": 2}
     r = httpx.post(centerface.url + "/api/v1/facedetect", json=body, timeout=60)
