@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -30,7 +31,9 @@ def inside(box, outer, slack=15):
 
 @pytest.fixture(scope="module")
 def centerface(tmp_path_factory):
-    with ServiceProcess(APP, {"backend": "centerface"}, tmp_path_factory.mktemp("cf"), threads=2) as svc:
+    # device "cpu": these tests are about the CPU path, whatever the host has (gpu tests cover CUDA)
+    with ServiceProcess(APP, {"backend": "centerface", "device": "cpu"}, tmp_path_factory.mktemp("cf"),
+                        threads=2) as svc:
         yield svc
 
 
@@ -101,10 +104,28 @@ def test_centerface_info(centerface):
     assert "onnxruntime" in info["versions"]
 
 
+CASCADE = str(Path(__file__).resolve().parent.parent / "data" / "haarcascade_frontalface_default.xml")
+
+
 def test_haar_finds_the_astronaut(tmp_path):
-    with ServiceProcess(APP, {"backend": "haar"}, tmp_path) as svc:
+    # the cascade from tests/data, not whatever the installed OpenCV build ships (5.x ships none)
+    with ServiceProcess(APP, {"backend": "haar", "haar_cascade": CASCADE}, tmp_path) as svc:
         faces = detect(svc, encode(astronaut())).json()["faces"]
         assert len(faces) == 1 and inside(faces[0]["box"], FACE)
+
+
+def test_a_missing_haar_cascade_is_a_start_failure_that_names_it(tmp_path):
+    import subprocess
+    import sys
+    svc = ServiceProcess(APP, {"backend": "haar", "haar_cascade": str(tmp_path / "nope.xml")}, tmp_path)
+    svc._log = open(svc.log_path, "wb")
+    svc.proc = subprocess.Popen([sys.executable, "-m", "services.runtime.serve"], cwd=svc.env["PYTHONPATH"],
+                                env=svc.env, stdout=svc._log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        assert svc.proc.wait(timeout=60) == 78
+        assert "nope.xml" in svc.output()
+    finally:
+        svc.__exit__(None, None, None)
 
 
 def test_insightface_loads_a_local_scrfd_onnx_without_network(tmp_path):

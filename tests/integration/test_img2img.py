@@ -33,7 +33,8 @@ def as_array(data: bytes) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def style(tmp_path_factory):
-    with ServiceProcess(APP, {"backend": "style", "max_side": 512}, tmp_path_factory.mktemp("style")) as svc:
+    with ServiceProcess(APP, {"backend": "style", "max_side": 512, "device": "cpu"},
+                        tmp_path_factory.mktemp("style")) as svc:
         yield svc
 
 
@@ -121,7 +122,7 @@ def sd_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def diffusers_svc(sd_dir, tmp_path_factory):
     settings = {"backend": "diffusers", "model_path": str(sd_dir), "max_side": 64, "max_steps": 1000,
-                "request_timeout_s": 60, "scheduler": "ddim"}
+                "request_timeout_s": 60, "scheduler": "ddim", "device": "cpu"}  # the CPU path, whatever the host
     with ServiceProcess(APP, settings, tmp_path_factory.mktemp("sdsvc"), threads=1) as svc:
         yield svc
 
@@ -178,7 +179,7 @@ def test_running_generation_stops_when_its_client_disconnects(diffusers_svc):
 
 def test_running_generation_stops_at_its_deadline(sd_dir, tmp_path):
     settings = {"backend": "diffusers", "model_path": str(sd_dir), "max_side": 64, "max_steps": 1000,
-                "request_timeout_s": 1.5}
+                "request_timeout_s": 1.5, "device": "cpu"}
     with ServiceProcess(APP, settings, tmp_path) as svc:
         t0 = time.monotonic()
         r = post(svc, "?steps=900&strength=1", body=small_input())
