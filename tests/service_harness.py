@@ -22,8 +22,11 @@ class ServiceProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"service-{self.port}.log"
+        import shutil
         import tempfile
+        import weakref
         self._sock_dir = tempfile.mkdtemp(prefix="oc-")  # unix socket paths must stay under 108 bytes
+        weakref.finalize(self, shutil.rmtree, self._sock_dir, True)
         self.probe_socket = os.path.join(self._sock_dir, "probe.sock")
         self.instance = f"test-{self.port}"
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "ONECARD_SERVICE_APP": app,
@@ -82,8 +85,6 @@ class ServiceProcess:
         self.proc.wait(timeout=10)
         psutil.wait_procs(procs, timeout=5)
         self._log.close()
-        import shutil
-        shutil.rmtree(self._sock_dir, ignore_errors=True)
 
 
 def probe(path: str, route: str = "/healthz", timeout: float = 2.0) -> tuple[int, dict]:
