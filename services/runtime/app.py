@@ -23,7 +23,7 @@ from services.runtime import info as service_info
 from services.runtime.admission import Admission
 from services.runtime.auth import Credentials
 from services.runtime.backend import Backend
-from services.runtime.errors import ApiError, ClientGone, error_response, install_error_handlers
+from services.runtime.errors import ApiError, ClientGone, error_response, error_responses, install_error_handlers
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.pipeline import CpuPool, Pipeline
 from services.runtime.probes import Heartbeat, ProbeServer, json_route
@@ -34,7 +34,8 @@ from services.runtime.threads import apply_threads, planned_threads
 
 log = logging.getLogger("onecard.service")
 PROBE_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/stats"})
-OPEN_PATHS = PROBE_PATHS | {"/openapi.json", "/docs", "/internal/ping"}
+OPEN_PATHS = PROBE_PATHS | {"/openapi.json", "/docs", "/docs/swagger-ui-bundle.js", "/docs/swagger-ui.css",
+                            "/internal/ping"}
 INSTANCE_HEADER = "X-Onecard-Instance"
 
 
@@ -201,8 +202,10 @@ def create_service_app(name: str, settings: RuntimeSettings, backend: Backend,
             await asyncio.to_thread(probes.stop)
             ctx.heartbeat.stop()
 
+    # every route can answer these; model routes list their own 4xx besides
+    common_errors = error_responses((401, 500, 503) if credentials.required else (500, 503))
     app = FastAPI(title=title, description=description, version=service_info.version(), lifespan=lifespan,
-                  docs_url=None, redoc_url=None)
+                  docs_url=None, redoc_url=None, responses=common_errors)
     app.state.ctx = ctx
     install_error_handlers(app)
 

@@ -88,3 +88,27 @@ def test_promtool_accepts_the_exposition(exposition):
     _, _, text = exposition
     r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ---- the OpenAPI document ------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_the_openapi_document_is_valid_and_describes_inputs_outputs_errors_and_auth(name, tmp_path):
+    from openapi_spec_validator import validate
+    app, settings, route = SERVICES[name]
+    with ServiceProcess(app, {**settings, "api_key_env": "K"}, tmp_path, env={"K": "secret"}) as svc:
+        doc = httpx.get(svc.url + "/openapi.json").json()
+        validate(doc)
+        op = doc["paths"][route]["post"]
+        assert op["parameters"] and all(p["in"] == "query" and "schema" in p for p in op["parameters"])
+        assert {"image/jpeg", "application/json", "multipart/form-data"} <= set(op["requestBody"]["content"])
+        assert op["responses"]["200"]["content"]
+        for status in ("400", "401", "413", "415", "422", "503", "504"):
+            schema = op["responses"][status]["content"]["application/json"]["schema"]
+            assert schema["required"] == ["error"]
+        info = doc["paths"]["/info"]["get"]["responses"]
+        assert {"200", "401", "500"} <= set(info)
+        assert set(doc["components"]["securitySchemes"]) == {"apiKey", "bearer"} and doc["security"]
+        page = httpx.get(svc.url + "/docs")
+        assert page.status_code == 200 and "/docs/swagger-ui-bundle.js" in page.text
+        js = httpx.get(svc.url + "/docs/swagger-ui-bundle.js")
+        assert js.status_code == 200 and len(js.content) > 100_000  # served from the wheel: no CDN
