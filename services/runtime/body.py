@@ -9,7 +9,6 @@ request sends reaches the filesystem).
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,34 +67,21 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 
 # ---- JSON ---------------------------------------------------------------------------
-_STRUCTURE = re.compile(rb'[\[\]{}"\\]')
-
-
-def json_depth_over(body: bytes, max_depth: int) -> bool:
-    """True when arrays/objects nest deeper than max_depth. Brackets inside strings do
-    not count. Cheap for real bodies: skipped when there are too few brackets to matter,
-    else one regex pass over the structural characters only."""
-    if body.count(b"[") + body.count(b"{") <= max_depth:
-        return False
-    depth, in_string, skip = 0, False, -1
-    for m in _STRUCTURE.finditer(body):
-        pos = m.start()
-        if pos == skip:
-            continue
-        c = body[pos]
-        if in_string:
-            if c == 0x5C:      # backslash: the next character is escaped
-                skip = pos + 1
-            elif c == 0x22:    # closing quote
-                in_string = False
-        elif c == 0x22:
-            in_string = True
-        elif c in (0x5B, 0x7B):
-            depth += 1
-            if depth > max_depth:
-                return True
-        elif c in (0x5D, 0x7D):
-            depth -= 1
+def json_depth_over(doc: Any, max_depth: int) -> bool:
+    """True when arrays/objects in a parsed document nest deeper than max_depth. Level by
+    level, stopping at max_depth: at most one visit per container, so the cost is bounded
+    by what json.loads already spent (brackets inside strings are just characters)."""
+    level = [doc] if isinstance(doc, (dict, list)) else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > max_depth:
+            return True
+        nxt = []
+        for node in level:
+            values = node.values() if isinstance(node, dict) else node
+            nxt.extend(v for v in values if isinstance(v, (dict, list)))
+        level = nxt
     return False
 
 
@@ -116,17 +102,19 @@ def _finite_float(text: str) -> float:
 
 def parse_json(body: bytes, max_depth: int) -> Any:
     """A JSON document; 400 when it is not JSON or nests too deep, 422 for a number
-    that is not finite (NaN, Infinity, 1e999)."""
-    if json_depth_over(body, max_depth):
-        raise ApiError(400, "json_too_deep", f"the JSON body nests deeper than {max_depth} levels")
+    that is not finite (NaN, Infinity, 1e999). json.loads itself stops at about 1000
+    levels (RecursionError); the walk afterwards enforces max_depth."""
     try:
-        return json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
+        doc = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
     except _NotFinite as exc:
         raise ApiError(422, "invalid_parameter", f"JSON numbers must be finite, got {str(exc)[:40]}") from None
     except RecursionError:
         raise ApiError(400, "json_too_deep", f"the JSON body nests deeper than {max_depth} levels") from None
     except (ValueError, UnicodeDecodeError):
         raise ApiError(400, "bad_json", "the body is not valid JSON") from None
+    if json_depth_over(doc, max_depth):
+        raise ApiError(400, "json_too_deep", f"the JSON body nests deeper than {max_depth} levels")
+    return doc
 
 
 def parse_json_object(body: bytes, max_depth: int, max_fields: int) -> dict[str, Any]:

@@ -66,11 +66,25 @@ def test_pixel_limit_is_checked_from_the_header():
     assert (err.value.status, err.value.code) == (413, "too_many_pixels")
 
 
-def test_json_depth_counts_brackets_outside_strings_only():
-    assert json_depth_over(b'{"a": [[[[1]]]]}', 4)
-    assert not json_depth_over(b'{"a": [[[1]]]}', 4)
-    assert not json_depth_over(json.dumps({"s": "[[[[[[[[[[" * 10, "t": "\\\"[[[["}).encode(), 3)
-    assert json_depth_over(b'[' * 50 + b']' * 50, 32)
+def test_json_depth_counts_containers_not_brackets_in_strings():
+    assert json_depth_over(json.loads('{"a": [[[[1]]]]}'), 4)
+    assert not json_depth_over(json.loads('{"a": [[[1]]]}'), 4)
+    assert not json_depth_over(json.loads(json.dumps({"s": "[[[[[[[[[[" * 10, "t": "\\\"[[[["})), 3)
+    assert json_depth_over(json.loads('[' * 50 + ']' * 50), 32)
+    for body in (b"[" * 50 + b"]" * 50, b"[" * 100_000 + b"]" * 100_000):  # past json's own limit too
+        with pytest.raises(ApiError) as err:
+            parse_json(body, 32)
+        assert (err.value.status, err.value.code) == (400, "json_too_deep")
+
+
+def test_a_hostile_json_body_costs_about_what_parsing_it_costs():
+    import time
+    body = json.dumps({"image": "[" * 10_000_000}).encode()  # brackets inside a string: not nesting
+    t0 = time.perf_counter()
+    assert parse_json(body, 32)["image"][:3] == "[[["
+    flat = b"[" + b"[]," * 1_000_000 + b"[]]"  # a million containers, depth 2
+    assert parse_json(flat, 32)[0] == []
+    assert time.perf_counter() - t0 < 30  # a guard against quadratic blow-ups, not a speed target
 
 
 def test_json_numbers_must_be_finite():
