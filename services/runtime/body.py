@@ -12,9 +12,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from services.runtime.errors import ApiError
+from services.runtime.errors import ApiError, ClientGone
 
 
 @dataclass
@@ -59,10 +59,13 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
         if int(declared) > max_bytes:
             raise ApiError(413, "body_too_large", f"body of {declared} bytes is over the limit of {max_bytes}")
     buf = bytearray()
-    async for chunk in request.stream():
-        if len(buf) + len(chunk) > max_bytes:
-            raise ApiError(413, "body_too_large", f"body is over the limit of {max_bytes} bytes")
-        buf += chunk
+    try:
+        async for chunk in request.stream():
+            if len(buf) + len(chunk) > max_bytes:
+                raise ApiError(413, "body_too_large", f"body is over the limit of {max_bytes} bytes")
+            buf += chunk
+    except ClientDisconnect:  # left mid-upload (or cut at the body deadline): nobody to answer
+        raise ClientGone() from None
     return bytes(buf)
 
 

@@ -223,3 +223,16 @@ def test_a_stalled_event_loop_fails_health_on_the_probe_listener(svc):
         assert blocker.result().status_code == 200
     time.sleep(0.3)
     assert probe(svc.probe_socket, "/healthz")[0] == 200
+
+
+def test_a_client_leaving_mid_upload_is_not_an_internal_error(svc):
+    before = httpx.get(svc.url + "/stats").json()["errors"]
+    with socket.create_connection(("127.0.0.1", svc.port)) as s:
+        s.sendall(b"POST /api/v1/echo?id=leaver HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                  b"Content-Length: 100000\r\n\r\n" + b"\x89PNG" + b"\0" * 1000)
+        time.sleep(0.3)
+    time.sleep(0.3)
+    assert httpx.get(svc.url + "/stats").json()["errors"] == before
+    assert "unexpected error" not in svc.output()
+    metrics = httpx.get(svc.url + "/metrics").text
+    assert 'status="499"' in metrics
