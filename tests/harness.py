@@ -23,10 +23,37 @@ ROOT = Path(__file__).resolve().parent.parent
 FAKE_APP = "tests.children.fake_app:create_app"
 
 
+PORT_BLOCK = 500
+_next_port = [0]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port that no other test worker can pick: each pytest-xdist worker takes ports
+    from its own block below the kernel's ephemeral range (the kernel hands those to
+    outgoing connections and bind(0), so nothing else in the suite races for them), and
+    each port is checked bindable now. Ports never repeat within a worker."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    low = min(_ephemeral_low(), 32768) - 16 * PORT_BLOCK  # 16 blocks under the ephemeral range
+    base = max(1024, low) + (index % 16) * PORT_BLOCK
+    for _ in range(PORT_BLOCK):
+        port = base + _next_port[0] % PORT_BLOCK
+        _next_port[0] += 1
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {base}..{base + PORT_BLOCK - 1}")
 
 
 def toml_value(v: Any) -> str:

@@ -178,8 +178,7 @@ def test_children_run_in_their_own_group_with_their_own_environment(tmp_path):
 
 
 def test_spawn_failure_exits_127(tmp_path):
-    services = {"ok": fake_service(), "missing": {"command": ["/nonexistent/onecard-child"], "port": 1}}
-    services["missing"]["port"] = services["ok"]["port"] + 1
+    services = {"ok": fake_service(), "missing": {"command": ["/nonexistent/onecard-child"], "port": free_port()}}
     with SupervisorRun(tmp_path, services) as run:
         assert run.wait_exit(15) == 127
         assert "missing: cannot start '/nonexistent/onecard-child'" in run.output()
