@@ -8,8 +8,9 @@ when its images run in several model calls.
 
 As in the webui, ``skip`` ends the running model call (its images come back as far as
 they got) and the request goes on with its next batch; ``interrupt`` ends the running
-call too, and its requests' images that have not started are not generated at all. The
-next request starts clean. Previews (``current_image``) are the cheap linear projection
+call too, and the images of its requests (or, between two calls, of the requests that
+have begun) that have not started are not generated at all. Requests still waiting
+start clean. Previews (``current_image``) are the cheap linear projection
 of the first image's latents, kept only as often as ``show_progress_every_n_steps`` asks.
 """
 
@@ -148,9 +149,10 @@ class Progress:
     def interrupt(self) -> None:
         with self._lock:
             self.interrupted = True
-            if self.running:
-                for job in self._jobs:
-                    self._stopped[job] = None
+            # the running call's requests; between two calls, the requests that have begun
+            jobs = self._jobs if self.running else [j for j, plan in self._plans.items() if plan.done > 0]
+            for job in jobs:
+                self._stopped[job] = None
                 while len(self._stopped) > MAX_REMEMBERED:
                     self._stopped.popitem(last=False)
 

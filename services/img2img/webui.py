@@ -129,8 +129,8 @@ class WebuiRoutes:
               fallback: tuple[int, int] = (512, 512)) -> dict[str, Any]:
         n = batch_size * (req.n_iter or 1)
         if n > self.r.cfg.max_images:
-            raise ApiError(422, "invalid_parameter",
-                           f"batch_size x n_iter: {n} images is over this service's max_images of {self.r.cfg.max_images}")
+            raise ApiError(422, "invalid_parameter", f"batch_size x n_iter: {n} images is over this service's "
+                                                     f"max_images of {self.r.cfg.max_images}")
         prompt, negative = req.prompt or "", req.negative_prompt or ""
         self.r.check_prompts(prompt, negative)
         seed = req.seed if req.seed is not None and req.seed >= 0 else _random_seed()
@@ -230,6 +230,10 @@ class WebuiRoutes:
             if self.state.diffusers:  # the style network sees the picture; filling is for diffusion
                 image = wi.fill_masked(image, gen_mask, fill, gen["seeds"][0])
             out.append((image, gen_mask, overlay))
+        if any(m is None for _, m, _ in out) and any(m is not None for _, m, _ in out):
+            # one request is one batch: an init image with nothing masked inpaints nothing
+            blank = Image.new("L", size, 0)
+            out = [(img, m, ov) if m is not None else (img, blank, wi.Overlay(img, blank)) for img, m, ov in out]
         return out
 
     # ---- txt2img ----------------------------------------------------------------------
@@ -239,6 +243,8 @@ class WebuiRoutes:
                                                f"{self.r.backend.name!r}, which only transforms a picture")
         req = validate(WebuiTxt2Img, read_json(raw, self.r.cfg))
         gen = self._plan(req, req.batch_size or 1, "txt2img")
+        if req.enable_hr:
+            gen["ignored"] = sorted([*gen["ignored"], "enable_hr"])  # no second, upscaled pass here
         gen["strength"] = req.denoising_strength
         gen["steps"] = self.r.steps(req.steps)
         width, height, side = gen["width"], gen["height"], self.r.cfg.max_side

@@ -5,9 +5,7 @@ masks (outside the mask the picture is kept, pixel for pixel), options, errors."
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import io
 import json
 import re
 
@@ -15,7 +13,6 @@ import httpx
 import numpy as np
 import pytest
 import webuiapi
-from PIL import Image
 from sd_backend_client.api.a1111_webservice import A1111Webservice
 from sd_backend_client.api.shared_data.backend_options import BackendOption
 from sd_backend_client.api.webui.diffusion_request_body import DiffusionRequestBody
@@ -67,7 +64,8 @@ def test_webuiapi_util_helpers_and_listings(svc):
     if svc.backend == "style":
         assert api.util_get_sampler_names() == [] and api.util_get_scheduler_names() == []
     else:
-        assert {"Euler a", "Euler", "DDIM", "DPM++ 2M", "UniPC", "LMS", "Heun", "PLMS"} <= set(api.util_get_sampler_names())
+        names = set(api.util_get_sampler_names())
+        assert {"Euler a", "Euler", "DDIM", "DPM++ 2M", "UniPC", "LMS", "Heun", "PLMS"} <= names
         assert api.util_get_scheduler_names() == ["automatic", "karras"]
         assert all(set(s) == {"name", "aliases", "options"} for s in api.get_samplers())
     api.util_wait_for_ready(check_interval=0.05)  # idle: returns at once
@@ -122,7 +120,8 @@ def test_img2img_batch_size_and_n_iter_give_the_seed_series(svc):
     assert (info["seed"], info["all_seeds"], info["batch_size"]) == (7, [7, 8, 9, 10], 2)
     assert info["all_subseeds"] == [info["subseed"] + i for i in range(4)]
     assert info["all_prompts"] == ["oil painting"] * 4 and info["all_negative_prompts"] == ["blurry"] * 4
-    assert (info["steps"], info["denoising_strength"], info["sampler_name"], info["cfg_scale"]) == (4, 0.6, "Euler a", 7)
+    assert (info["steps"], info["denoising_strength"], info["cfg_scale"]) == (4, 0.6, 7)
+    assert info["sampler_name"] == "Euler a"  # webuiapi's default sampler
     assert (info["width"], info["height"], info["index_of_first_image"]) == (w, h, 0)
     model = api.get_sd_models()[0]
     assert (info["sd_model_name"], info["sd_model_hash"]) == (model["model_name"], model["hash"])
@@ -167,10 +166,19 @@ def test_mask_keeps_the_picture_outside_it(svc):
                                   **common).images[0])
     assert np.array_equal(inverted[inside], base[inside]) and np.abs(inverted[~inside] - base[~inside]).mean() > 5
     # the webuiapi defaults (blur 4, fill, only masked): kept beyond the blur's reach
-    default = pixels(api.img2img(images=[src], mask_image=mask, steps=4, seed=1, width=96, height=64).images[0])
+    r = api.img2img(images=[src], mask_image=mask, steps=4, seed=1, width=96, height=64)
+    default = pixels(r.images[0])
     reach = np.zeros_like(inside)
     reach[16 - 11:48 + 11, 40 - 11:72 + 11] = True
     assert np.array_equal(default[~reach], base[~reach]) and not np.array_equal(default[inside], base[inside])
+    # 1 to 3 pixels beside and above/below the mask, the blurred edge (each axis its own) shows the new picture
+    sides = np.zeros_like(inside)
+    sides[16:48, 40 - 3:40] = sides[16:48, 72:72 + 3] = True
+    ends = np.zeros_like(inside)
+    ends[16 - 3:16, 40:72] = ends[48:48 + 3, 40:72] = True
+    for ring in (sides, ends):
+        assert np.abs(default[ring] - base[ring]).mean() > 2
+    assert r.info["extra_generation_params"]["Mask blur"] == 4
     ws = A1111Webservice(svc.url)
     res = ws.img2img(src, mask, DiffusionRequestBody(init_images=[src], mask=mask, mask_blur=0, width=96, height=64,
                                                      steps=3, denoising_strength=1.0, inpaint_full_res=False))
@@ -280,9 +288,3 @@ def test_openapi_documents_the_webui_routes(svc):
     assert "security" not in doc  # no credentials configured here (see test_webui_auth)
     props = doc["paths"]["/sdapi/v1/img2img"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert {"mask", "inpaint_full_res", "batch_size", "n_iter", "override_settings"} <= set(props["properties"])
-
-
-def _png_b64(img: Image.Image) -> str:
-    buf = io.BytesIO()
-    img.save(buf, "PNG")
-    return base64.b64encode(buf.getvalue()).decode()
