@@ -12,7 +12,6 @@ included, take the webui's shape ``{"error", "detail", "body", "errors"}``.
 from __future__ import annotations
 
 import base64
-import functools
 import io
 import json
 import random
@@ -27,7 +26,8 @@ from pydantic import ConfigDict, Field
 
 from services.img2img import webui_images as wi
 from services.img2img.params import MAX_SEED, Img2ImgItem
-from services.img2img.webui_info import OUTPUT_FORMATS, WebuiState, info_document, infotext, listing_routes
+from services.img2img.webui_info import (OUTPUT_FORMATS, WebuiState, guard, info_document, infotext, listing_routes,
+                                         not_found_routes, sdapi_error)
 from services.runtime.body import RawRequest, parse_json_object, read_body
 from services.runtime.codec import decode_base64, decode_image
 from services.runtime.errors import ApiError
@@ -86,22 +86,6 @@ class WebuiTxt2Img(_WebuiBase):
     denoising_strength: Float | None = Field(None, ge=0.0, le=1.0)
 
 
-def sdapi_error(exc: ApiError) -> dict[str, Any]:
-    """The webui's error body, with our code in `error`."""
-    return {"error": exc.code, "detail": exc.message, "body": "", "errors": f"{exc.status}: {exc.message}"}
-
-
-def guard(fn: Callable) -> Callable:
-    """A /sdapi route whose ApiError answers in the webui's shape."""
-    @functools.wraps(fn)
-    async def wrapper(*args, **kwargs):
-        try:
-            return await fn(*args, **kwargs)
-        except ApiError as exc:
-            return JSONResponse(sdapi_error(exc), status_code=exc.status, headers=exc.headers)
-    return wrapper
-
-
 def _random_seed() -> int:
     return random.randrange(MAX_SEED)
 
@@ -131,6 +115,13 @@ class WebuiRoutes:
         if n > self.r.cfg.max_images:
             raise ApiError(422, "invalid_parameter", f"batch_size x n_iter: {n} images is over this service's "
                                                      f"max_images of {self.r.cfg.max_images}")
+        extra = req.model_extra or {}
+        scripts = [extra["script_name"]] if extra.get("script_name") else []
+        if isinstance(extra.get("alwayson_scripts"), dict):
+            scripts += list(extra["alwayson_scripts"])
+        if scripts:  # as the webui answers for a script it does not have
+            raise ApiError(422, "script_not_found", f"Script {str(scripts[0])[:64]!r} not found: this service "
+                                                    f"runs no scripts (see /sdapi/v1/scripts)")
         prompt, negative = req.prompt or "", req.negative_prompt or ""
         self.r.check_prompts(prompt, negative)
         seed = req.seed if req.seed is not None and req.seed >= 0 else _random_seed()
@@ -363,28 +354,6 @@ def add_routes(app: FastAPI, ctx, routes) -> None:
             ("extra-single-image", "POST", unsupported, "Not available here"),
             ("extra-batch-images", "POST", unsupported, "Not available here")):
         app.add_api_route(f"/sdapi/v1/{path}", guard(fn), methods=[method], tags=["webui"], summary=summary)
-    listing_routes(app, state, ctx, bool(routes.cfg.basic_auth_env or routes.cfg.basic_auth_file), guard)
-    _not_found_routes(app)
+    listing_routes(app, state, ctx, bool(routes.cfg.basic_auth_env or routes.cfg.basic_auth_file))
+    not_found_routes(app)
 
-
-def _not_found_routes(app: FastAPI) -> None:
-    """Unknown /sdapi paths answer 404 (405 for a known path and another method) in the webui's shape."""
-    from starlette.routing import Match
-
-    async def unknown(request: Request) -> JSONResponse:
-        scope = dict(request.scope)
-        allowed = set()
-        for route in app.routes:
-            if route.path.startswith("/sdapi/{"):
-                continue
-            match, _ = route.matches({**scope, "method": "__none__"})
-            if match != Match.NONE:
-                allowed |= set(getattr(route, "methods", None) or ())
-        if allowed:
-            exc = ApiError(405, "method_not_allowed", "Method Not Allowed", {"Allow": ", ".join(sorted(allowed))})
-        else:
-            exc = ApiError(404, "not_found", "Not Found")
-        return JSONResponse(sdapi_error(exc), status_code=exc.status, headers=exc.headers)
-
-    app.add_api_route("/sdapi/{rest:path}", unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
-                      include_in_schema=False)

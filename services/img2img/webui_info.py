@@ -1,4 +1,5 @@
-"""What the webui API says about itself: options, samplers, the model, the info document.
+"""What the webui API says about itself: options, samplers, the model, the info document,
+the listings clients discover a server with, and the webui's error shape.
 
 Options are kept per process. POST /sdapi/v1/options stores any key, as clients set keys
 this service does not use; the keys that mean something here are checked and applied
@@ -10,13 +11,14 @@ model is the one this unit loaded, named as the webui names a checkpoint
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import os
 import threading
 from typing import Any, Callable
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from services.img2img.params import parse_style
@@ -234,6 +236,22 @@ def _version() -> str:
     return version()
 
 
+def sdapi_error(exc: ApiError) -> dict[str, Any]:
+    """The webui's error body, with our code in `error`."""
+    return {"error": exc.code, "detail": exc.message, "body": "", "errors": f"{exc.status}: {exc.message}"}
+
+
+def guard(fn: Callable) -> Callable:
+    """A /sdapi route whose ApiError answers in the webui's shape."""
+    @functools.wraps(fn)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await fn(*args, **kwargs)
+        except ApiError as exc:
+            return JSONResponse(sdapi_error(exc), status_code=exc.status, headers=exc.headers)
+    return wrapper
+
+
 def _memory() -> dict[str, Any]:
     import sys
 
@@ -258,7 +276,7 @@ def _memory() -> dict[str, Any]:
     return {"ram": ram, "cuda": cuda}
 
 
-def listing_routes(app: FastAPI, state: WebuiState, ctx, basic_auth: bool, guard: Callable) -> None:
+def listing_routes(app: FastAPI, state: WebuiState, ctx, basic_auth: bool) -> None:
     """The routes clients call to discover what a server has: empty lists where nothing applies."""
     def get(path: str, summary: str, fn: Callable) -> None:
         app.add_api_route(path, guard(fn), methods=["GET"], tags=["webui"], summary=summary)
@@ -320,3 +338,26 @@ def listing_routes(app: FastAPI, state: WebuiState, ctx, basic_auth: bool, guard
     async def ping():
         return JSONResponse({})
     app.add_api_route("/internal/ping", ping, methods=["GET"], tags=["webui"], summary="Liveness for webui clients")
+
+
+def not_found_routes(app: FastAPI) -> None:
+    """Unknown /sdapi paths answer 404 (405 for a known path and another method) in the webui's shape."""
+    from starlette.routing import Match
+
+    async def unknown(request: Request) -> JSONResponse:
+        scope = dict(request.scope)
+        allowed = set()
+        for route in app.routes:
+            if route.path.startswith("/sdapi/{"):
+                continue
+            match, _ = route.matches({**scope, "method": "__none__"})
+            if match != Match.NONE:
+                allowed |= set(getattr(route, "methods", None) or ())
+        if allowed:
+            exc = ApiError(405, "method_not_allowed", "Method Not Allowed", {"Allow": ", ".join(sorted(allowed))})
+        else:
+            exc = ApiError(404, "not_found", "Not Found")
+        return JSONResponse(sdapi_error(exc), status_code=exc.status, headers=exc.headers)
+
+    app.add_api_route("/sdapi/{rest:path}", unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
+                      include_in_schema=False)

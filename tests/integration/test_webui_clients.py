@@ -245,6 +245,9 @@ def test_sdapi_errors_in_the_webui_shape(svc):
     assert r.status_code == 422 and set(r.json()) == ERROR_KEYS and "sd_model_checkpoint" in r.json()["detail"]
     r = httpx.post(svc.url + "/sdapi/v1/options", json=[1, 2])
     assert r.status_code == 422 and set(r.json()) == ERROR_KEYS
+    for scripts in ({"script_name": "ultimate sd upscale"}, {"alwayson_scripts": {"ControlNet": {"args": []}}}):
+        r = httpx.post(svc.url + "/sdapi/v1/img2img", json={"init_images": [src], **scripts})
+        assert r.status_code == 422 and r.json()["error"] == "script_not_found", r.text
     body = {"init_images": [src], "sampler_name": "No Such Sampler", "steps": 2, "width": 64, "height": 64}
     r = httpx.post(svc.url + "/sdapi/v1/img2img", json=body, timeout=60)
     if svc.backend == "style":  # no sampler runs here: any name is accepted and reported
