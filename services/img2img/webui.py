@@ -192,8 +192,9 @@ class WebuiRoutes:
             return [(wi.resize_image(img, size, mode), None, None) for img in inits]
         blur_x = req.mask_blur if req.mask_blur is not None else (req.mask_blur_x or 0)
         blur_y = req.mask_blur if req.mask_blur is not None else (req.mask_blur_y or 0)
-        mask_img = decode_image(decode_base64(req.mask, "mask", self.r.cfg.max_body_bytes), limits)
-        mask = wi.prepare_mask(mask_img.rgb, bool(req.inpainting_mask_invert), blur_x, blur_y)
+        data = decode_base64(req.mask, "mask", self.r.cfg.max_body_bytes)
+        source = wi.mask_channel(data, decode_image(data, limits).rgb)
+        mask = wi.prepare_mask(source, bool(req.inpainting_mask_invert), blur_x, blur_y)
         fill = req.inpainting_fill if req.inpainting_fill is not None else wi.FILL
         extra = gen["extra"]
         extra["Mask blur"] = max(blur_x, blur_y)

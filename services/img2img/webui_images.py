@@ -10,6 +10,7 @@ All of it is CPU work for the decode and encode hooks.
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,10 +49,24 @@ def resize_image(img: Image.Image, size: tuple[int, int], mode: int) -> Image.Im
     return canvas
 
 
-def prepare_mask(rgb: np.ndarray, invert: bool, blur_x: int, blur_y: int) -> Image.Image:
+def mask_channel(data: bytes, rgb: np.ndarray) -> Image.Image:
+    """The webui's reading of a mask: an RGBA picture with any transparency is its alpha,
+    rounded at 128 (masks painted in its UI); anything else its luminance. `data` was
+    already decoded within the limits (as `rgb`, which drops alpha): only a PNG or WebP
+    that has an alpha channel is opened a second time."""
+    if data[:4] in (b"\x89PNG", b"RIFF"):
+        with Image.open(io.BytesIO(data), formats=("PNG", "WEBP")) as im:
+            if im.mode == "RGBA":
+                alpha = ImageOps.exif_transpose(im).getchannel("A")
+                if alpha.getextrema() != (255, 255):
+                    return alpha.point(lambda v: 255 if v > 128 else 0)
+    return Image.fromarray(rgb).convert("L")
+
+
+def prepare_mask(mask: Image.Image, invert: bool, blur_x: int, blur_y: int) -> Image.Image:
     """White = repaint. Blurred as the webui blurs (sigma = the blur, each axis on its own)."""
     import cv2
-    mask = np.asarray(Image.fromarray(rgb).convert("L"))
+    mask = np.asarray(mask.convert("L"))
     if invert:
         mask = 255 - mask
     if blur_x > 0:

@@ -13,6 +13,7 @@ import httpx
 import numpy as np
 import pytest
 import webuiapi
+from PIL import Image
 from sd_backend_client.api.a1111_webservice import A1111Webservice
 from sd_backend_client.api.shared_data.backend_options import BackendOption
 from sd_backend_client.api.webui.diffusion_request_body import DiffusionRequestBody
@@ -179,6 +180,11 @@ def test_mask_keeps_the_picture_outside_it(svc):
     for ring in (sides, ends):
         assert np.abs(default[ring] - base[ring]).mean() > 2
     assert r.info["extra_generation_params"]["Mask blur"] == 4
+    painted = Image.new("RGBA", src.size, (255, 255, 255, 0))  # as painted in the webui: alpha is the mask
+    painted.putalpha(mask)
+    out = pixels(api.img2img(**{**common, "mask_image": painted}, inpaint_full_res=False, width=96,
+                             height=64).images[0])
+    assert np.array_equal(out[~inside], base[~inside]) and np.abs(out[inside] - base[inside]).mean() > 5
     ws = A1111Webservice(svc.url)
     res = ws.img2img(src, mask, DiffusionRequestBody(init_images=[src], mask=mask, mask_blur=0, width=96, height=64,
                                                      steps=3, denoising_strength=1.0, inpaint_full_res=False))
