@@ -61,8 +61,9 @@ def test_progress_during_a_generation(sd):
         preview = Image.open(io.BytesIO(base64.b64decode(doc["current_image"])))
         assert preview.format == "PNG" and preview.size == (64, 64)
         assert progress(sd.url, skip_current_image="true")["current_image"] is None
+        wait_for(lambda: progress(sd.url)["state"]["sampling_step"] > state["sampling_step"], "the next step")
         body = A1111Webservice(sd.url).progress_check()  # the client's own validation, mid-generation
-        assert body.current_image and body.state.sampling_step > state["sampling_step"]  # advancing
+        assert body.current_image and body.state.sampling_step > state["sampling_step"]
         assert body.state.job_count == 1 and body.textinfo == doc["textinfo"]
     finally:
         api.interrupt()
