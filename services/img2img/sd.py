@@ -6,7 +6,9 @@ same picture batched or alone (within float tolerance). Between steps the call s
 when every item in it is cancelled (client gone, deadline passed) or the webui's
 interrupt/skip asks; an item cancelled alone is computed with the others and dropped.
 Text-to-image and inpainting use pipelines built from the already-loaded components:
-no second copy of the weights.
+no second copy of the weights. Items of a request that a webui interrupt ended before
+they started are answered None, without a pipeline call; a preview of the first image's
+latents is kept as often as the webui's progress options ask.
 """
 
 from __future__ import annotations
