@@ -80,13 +80,10 @@ class Img2ImgRoutes:
         return item
 
     def finish(self, item: Img2ImgItem, out: np.ndarray) -> np.ndarray:
-        """Backend post-processing, the mask (outside it the picture is kept), the final size."""
+        """Backend post-processing and the final size. (A webui mask's overlay, which keeps the
+        original outside the mask pixel for pixel, is applied by the webui route: webui_images.)"""
         out = self.backend.postprocess(item, out)
         img = Image.fromarray(out)
-        if item.mask is not None and item.image is not None:
-            keep = item.image.convert("RGB").resize(img.size, Image.LANCZOS)
-            mask = item.mask.resize(img.size, Image.LANCZOS)
-            img = Image.composite(img, keep, mask)
         if img.size != item.out_size:
             img = img.resize(item.out_size, Image.LANCZOS)
         return np.asarray(img)

@@ -6,7 +6,9 @@ same picture batched or alone (within float tolerance). Between steps the call s
 when every item in it is cancelled (client gone, deadline passed) or the webui's
 interrupt/skip asks; an item cancelled alone is computed with the others and dropped.
 Text-to-image and inpainting use pipelines built from the already-loaded components:
-no second copy of the weights.
+no second copy of the weights. Items of a request that a webui interrupt ended before
+they started are answered None, without a pipeline call; a preview of the first image's
+latents is kept as often as the webui's progress options ask.
 """
 
 from __future__ import annotations
@@ -18,18 +20,26 @@ import numpy as np
 from PIL import Image
 
 from services.img2img.params import Cancelled, Img2ImgItem
-from services.img2img.progress import Progress
+from services.img2img.progress import LatentPreview, Progress
 from services.img2img.settings import Img2ImgSettings
 from services.img2img.style import fit
 from services.runtime.backend import Backend
 from services.runtime.errors import ApiError
 from services.runtime.gpu import apply_torch_budget
 
-DIFFUSERS_SCHEDULERS = {
-    "ddim": "DDIMScheduler", "euler": "EulerDiscreteScheduler", "euler_a": "EulerAncestralDiscreteScheduler",
-    "dpmpp_2m": "DPMSolverMultistepScheduler", "lms": "LMSDiscreteScheduler", "pndm": "PNDMScheduler",
-    "heun": "HeunDiscreteScheduler", "unipc": "UniPCMultistepScheduler",
+DIFFUSERS_SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "ddim": ("DDIMScheduler", {}), "euler": ("EulerDiscreteScheduler", {}),
+    "euler_a": ("EulerAncestralDiscreteScheduler", {}), "dpmpp_2m": ("DPMSolverMultistepScheduler", {}),
+    "lms": ("LMSDiscreteScheduler", {}), "pndm": ("PNDMScheduler", {}), "heun": ("HeunDiscreteScheduler", {}),
+    "unipc": ("UniPCMultistepScheduler", {}),
+    # reached through the webui's sampler names
+    "dpmpp_2m_sde": ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++"}),
+    "dpm2": ("KDPM2DiscreteScheduler", {}), "dpm2_a": ("KDPM2AncestralDiscreteScheduler", {}),
+    "ddpm": ("DDPMScheduler", {}), "lcm": ("LCMScheduler", {}),
 }
+DIFFUSERS_SCHEDULERS.update({  # the webui's "Karras" schedule type
+    f"{k}_karras": (cls, {**kw, "use_karras_sigmas": True}) for k, (cls, kw) in list(DIFFUSERS_SCHEDULERS.items())
+    if k in ("dpmpp_2m", "dpmpp_2m_sde", "euler", "lms", "heun", "dpm2", "dpm2_a", "unipc")})
 # webui sampler names -> our scheduler keys
 WEBUI_SAMPLERS = {
     "ddim": "ddim", "euler": "euler", "euler a": "euler_a", "dpm++ 2m": "dpmpp_2m", "dpm++ 2m karras": "dpmpp_2m",
@@ -77,13 +87,15 @@ class DiffusersBackend(Backend):
     def _scheduler(self, key: str):
         if key not in self._schedulers:
             import diffusers
-            cls = getattr(diffusers, DIFFUSERS_SCHEDULERS[key])
-            self._schedulers[key] = cls.from_config(self._schedulers["default"].config)
+            name, kwargs = DIFFUSERS_SCHEDULERS[key]
+            self._schedulers[key] = getattr(diffusers, name).from_config(self._schedulers["default"].config, **kwargs)
         return self._schedulers[key]
 
     def scheduler_key(self, sampler: str | None) -> str:
         if sampler is None:
             return self.settings.scheduler
+        if sampler in DIFFUSERS_SCHEDULERS:
+            return sampler
         return WEBUI_SAMPLERS.get(sampler.strip().lower(), self.settings.scheduler)
 
     # ---- CPU pool ---------------------------------------------------------------------
@@ -120,6 +132,11 @@ class DiffusersBackend(Backend):
         kind, size = first.key[0], first.key[1]
         if kind == "identity":
             return [np.asarray(i.image) for i in items]
+        # a webui interrupt ended the request these belong to: what had not started is not generated
+        run = [i for i in items if not self.progress.stopped(i.job)]
+        if len(run) < len(items):
+            done = dict(zip(map(id, run), self.infer_batch(run))) if run else {}
+            return [done.get(id(i)) for i in items]
         scheduler = self._scheduler(first.sampler or self.settings.scheduler)
         pipe = self.pipes[kind]
         pipe.scheduler = scheduler  # per call: calls are serialized on this thread
@@ -127,10 +144,14 @@ class DiffusersBackend(Backend):
         if first.steps > limit:
             raise ApiError(422, "invalid_parameter", f"steps: at most {limit} for this model's scheduler")
         total = first.steps if kind == "txt2img" else max(1, int(first.steps * first.strength))
-        self.progress.begin([i.job for i in items], total, textinfo=f"{kind} {len(items)} image(s)")
+        w, h = size
+        self.progress.begin([i.job for i in items], total, textinfo=f"{kind}: {len(items)} image(s) at {w}x{h}")
 
         def on_step(p, step, timestep, kwargs):
-            self.progress.advance(step + 1)
+            preview = None
+            if self.progress.wants_preview(step + 1) and kwargs.get("latents") is not None:
+                preview = LatentPreview(kwargs["latents"][:1].detach().clone(), size)
+            self.progress.advance(step + 1, preview, getattr(p, "_num_timesteps", None))
             if self.progress.should_stop() or all(i.cancel.is_set() for i in items):
                 p._interrupt = True
             return kwargs
