@@ -88,6 +88,7 @@ class ServiceContext:
             "queue_depth": self.admission.waiting,
             "in_flight": self.admission.running,
             "items_pending": sched.pending_items if sched else 0,
+            "items_running": sched.in_flight if sched else 0,
             "served": self.metrics.served,
             "errors": self.metrics.errors,
             "refused": self.admission.refused,

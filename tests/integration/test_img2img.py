@@ -259,7 +259,7 @@ def test_a_client_leaving_its_batch_does_not_cancel_the_others(diffusers_svc):
         stayer = pool.submit(post, svc, keep_q, body=small_input())
         _wait(lambda: _stats(svc)["items_pending"] == 2, what="stayer queued")
         holder.close()
-        _wait(lambda: _progress(svc)["state"]["job_count"] == 2 and _progress(svc)["state"]["sampling_step"] >= 2,
+        _wait(lambda: _stats(svc)["items_running"] == 2 and _progress(svc)["state"]["sampling_step"] >= 2,
               what="the batch of two generating")
         leaver.close()
         r = stayer.result()
@@ -279,7 +279,7 @@ def test_every_client_leaving_stops_the_batch_between_steps(diffusers_svc):
         socks.append(s)
         _wait(lambda n=len(socks): _stats(svc)["items_pending"] == n, what="queued")
     holder.close()
-    _wait(lambda: _progress(svc)["state"]["job_count"] == 2 and _progress(svc)["state"]["sampling_step"] >= 2,
+    _wait(lambda: _stats(svc)["items_running"] == 2 and _progress(svc)["state"]["sampling_step"] >= 2,
           what="the batch of two generating")
     for s in socks:
         s.close()
