@@ -15,7 +15,9 @@ from tests.harness import ROOT, SupervisorRun, fake_service, http_get
 STATUS_KEYS = {"name", "pid", "host", "port", "state", "ready", "uptime_s", "exit_code", "threads",
                "liveness_misses", "last_probe_error", "cpu_percent", "cpu_seconds", "rss_bytes",
                "gpu_memory_bytes", "gpu_memory_source", "queue_depth", "in_flight", "served", "errors",
-               "latency_p50_ms", "latency_p99_ms"}
+               "latency_p50_ms", "latency_p99_ms",
+               # added after version 1 shipped (keys are only ever added)
+               "drain_s", "killed", "jobs"}
 
 
 def test_status_table_json_and_exit_codes(tmp_path):
