@@ -38,21 +38,31 @@ class Sample:
     own_tree_rss_bytes: int | None = None
 
 
-class CpuAccount:
-    """CPU seconds of a changing set of processes that never decrease.
+Key = tuple[int, float]  # (pid, start time): a reused pid is another process
 
-    Each process is keyed by (pid, start time) so that a reused pid is a new process;
-    a process that disappears keeps contributing what it was last seen to use."""
+
+class CpuAccount:
+    """CPU seconds of a changing tree of processes that never decrease.
+
+    Each process counts its own time and that of the children it has waited for
+    (cutime, cstime): a process that exits and is reaped by its parent in the tree moves
+    its time into the parent's figure. One that disappears while its parent is gone from
+    the tree (reaped elsewhere) keeps contributing what it was last seen to use. The
+    total is kept monotonic whatever the process table says."""
 
     def __init__(self) -> None:
-        self._last: dict[tuple[int, float], float] = {}
+        self._last: dict[Key, float] = {}
+        self._parents: dict[Key, int] = {}
         self._gone = 0.0
         self.total = 0.0
 
-    def update(self, per_process: dict[tuple[int, float], float]) -> float:
+    def update(self, per_process: dict[Key, float], parents: dict[Key, int] | None = None) -> float:
+        parents = parents or {}
+        alive_pids = {pid for pid, _ in per_process}
         for key, used in self._last.items():
-            if key not in per_process:
+            if key not in per_process and parents.get(key, self._parents.get(key)) not in alive_pids:
                 self._gone += used
+        self._parents = {**{k: v for k, v in self._parents.items() if k in per_process}, **parents}
         for key, used in per_process.items():
             prev = self._last.get(key)
             if prev is not None and used < prev:  # cannot happen for one process; keep what was seen
@@ -89,19 +99,23 @@ def tree_pids(root: int, ppids: dict[int, int] | None = None) -> set[int]:
     return out
 
 
-def _read_tree(pids: set[int]) -> tuple[dict[tuple[int, float], float], int]:
-    cpu: dict[tuple[int, float], float] = {}
+def _read_tree(pids: set[int], ppids: dict[int, int] | None = None) -> tuple[dict[Key, float], int, dict[Key, int]]:
+    """Per process: CPU seconds (its own and its waited-for children's), RSS sum, parents."""
+    cpu: dict[Key, float] = {}
+    parents: dict[Key, int] = {}
     rss = 0
     for pid in pids:
         try:
             p = psutil.Process(pid)
             with p.oneshot():
                 t = p.cpu_times()
-                cpu[(pid, p.create_time())] = t.user + t.system
+                key = (pid, p.create_time())
+                cpu[key] = t.user + t.system + t.children_user + t.children_system
+                parents[key] = (ppids or {}).get(pid, -1)
                 rss += p.memory_info().rss
         except psutil.Error:
             continue
-    return cpu, rss
+    return cpu, rss, parents
 
 
 class Sampler:
@@ -189,21 +203,23 @@ class Sampler:
             pids = tree_pids(pid, ppids)
             if not pids:
                 continue
-            cpu, rss = _read_tree(pids)
+            cpu, rss, parents = _read_tree(pids, ppids)
             account = self._accounts.setdefault((name, pid), CpuAccount())
-            total = account.update(cpu)
+            total = account.update(cpu, parents)
             trees[name] = TreeFigures(total, self._percent((name, pid), total, now), rss, frozenset(pids))
         for key in [k for k in self._accounts if targets.get(k[0]) != k[1]]:
             del self._accounts[key]
         me = os.getpid()
-        own_cpu, own_rss = _read_tree({me})
+        own = psutil.Process(me)
+        with own.oneshot():
+            t = own.cpu_times()
+            own_seconds, own_rss = t.user + t.system, own.memory_info().rss  # not the reaped children's
         own_tree = tree_pids(me, ppids)
-        _, tree_rss = _read_tree(own_tree)
+        _, tree_rss, _ = _read_tree(own_tree)
         gpu = self.gpu.read({n: set(t.pids) for n, t in trees.items()}) if self.gpu is not None else \
             {"available": False, "reason": "not sampled"}
         throttling = self.throttle.summary() if self.throttle is not None else None
-        return Sample(now, trees, gpu, throttling, self._percent("self", sum(own_cpu.values()), now),
-                      own_rss, tree_rss)
+        return Sample(now, trees, gpu, throttling, self._percent("self", own_seconds, now), own_rss, tree_rss)
 
 
 def _resolve(fut: asyncio.Future, value: Sample) -> None:

@@ -42,7 +42,7 @@ LOG_REPEAT_S = 10.0
 class Supervisor:
     def __init__(self, config: "Config", plan: Plan, *, os_layer: OsLayer | None = None,
                  clock: Clock | None = None, log: LogSink | None = None, prober: Any = None,
-                 gpu: Any = None, sampler: Sampler | None = None):
+                 gpu: Any = None, sampler: Sampler | None = None, port_check: Any = None):
         self.config = config
         self.settings = config.supervisor
         self.plan = plan
@@ -59,6 +59,9 @@ class Supervisor:
             sampler = Sampler(gpu or GpuFacts(config.gpu.visible_devices), ThrottleWindow(plan.quota),
                               self.settings.sample_period_s)
         self.sampler = sampler
+        if port_check is None:
+            from supervisor.ports import port_problem as port_check
+        self.port_check = port_check
         self._by_pid: dict[int, ChildProcess] = {}
         self.oneshots: dict[int, asyncio.Future] = {}
         self._exit_waiters: dict[int, list[asyncio.Future]] = collections.defaultdict(list)
@@ -162,10 +165,9 @@ class Supervisor:
 
     async def _prepare(self) -> None:
         """Before any service: every port free, then the MPS daemon (when on)."""
-        from supervisor.ports import port_problem
         problems = []
         for c in self.children:
-            p = await asyncio.to_thread(port_problem, c.plan.host, c.plan.port)
+            p = await asyncio.to_thread(self.port_check, c.plan.host, c.plan.port)
             if p:
                 problems.append(f"services.{c.name}.port: {p}")
         if problems:

@@ -17,6 +17,8 @@ Behaviour comes from its settings (the service's config section):
   orphan            start a grandchild that detaches and lingers orphan_s seconds
   anonymous         answer probes without instance or pid (like a process that is not ours)
   chatter_lines_s   print this many lines a second, forever (log pressure)
+  tcp_probes_fail   probes on the TCP port answer 503 (only the unix probe socket tells the truth)
+  jobs              a dict passed through in /stats as "jobs"
 Routes: /healthz /readyz /stats /pid /slow?s=S /crash?code=N|signal=N /hang /ready?on=0|1
         /exit?code=N (clean exit after the response) /burn?s=S (CPU in a short-lived child)
 """
@@ -153,6 +155,8 @@ def create_app(settings: dict):
         q = {k: v[0] for k, v in parse_qs(scope.get("query_string", b"").decode()).items()}
         found = probe(path)
         if found is not None:
+            if settings.get("tcp_probes_fail"):
+                return await respond(send, 503, {"error": "probe me on the unix socket", **identity()})
             return await respond(send, *found)
         if path == "/pid":
             return await respond(send, 200, {"pid": os.getpid()})

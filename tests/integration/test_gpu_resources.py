@@ -17,6 +17,12 @@ import psutil
 from tests.harness import ROOT, SupervisorRun, fake_service, http_get
 
 FAKE_MPS = ROOT / "tests" / "children" / "fake_mps"
+FAKE_NVML = ROOT / "tests" / "children" / "fake_nvml"
+
+
+def nvml_env(spec: str) -> dict[str, str]:
+    """The supervisor imports the stand-in NVML: no GPU, or the cards we say."""
+    return {"PYTHONPATH": f"{FAKE_NVML}:{ROOT}", "FAKE_NVML": spec}
 
 
 def mps_env(tmp_path, **extra) -> dict[str, str]:
@@ -207,7 +213,9 @@ def test_daemon_that_ignores_quit_is_killed(tmp_path):
 
 def test_missing_mps_binary_is_an_error_at_check_and_at_start(tmp_path):
     run = SupervisorRun(tmp_path, {"a": fake_service()}, gpu={"mps": True})
-    env = {**os.environ, "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    empty = tmp_path / "empty-path"
+    empty.mkdir()  # a PATH without the binary, even on a GPU host that has it
+    env = {**os.environ, "PATH": str(empty), "PYTHONPATH": str(ROOT)}
     for cmd in ("check", "run"):
         r = subprocess.run([sys.executable, "-m", "supervisor", cmd, "--config", str(run.config)], cwd=ROOT,
                            env=env, capture_output=True, text=True, timeout=60)
@@ -216,17 +224,33 @@ def test_missing_mps_binary_is_an_error_at_check_and_at_start(tmp_path):
 
 
 def test_no_gpu_is_a_clean_state_everywhere(tmp_path):
-    with SupervisorRun(tmp_path, {"a": fake_service()}) as run:
+    with SupervisorRun(tmp_path, {"a": fake_service()}, env=nvml_env("absent")) as run:
         run.wait_ready()
-        gpu = run.status_doc()["gpu"]
-        assert gpu["available"] is False and gpu["reason"]
+        gpu = run.wait_for("a GPU sample", lambda: run.status_doc()["gpu"] if run.status_doc()["supervisor"][
+            "sampled_s_ago"] is not None else None)
+        assert gpu == {"available": False, "reason": "NVML unavailable: NVMLError_LibraryNotFound: "
+                                                     "NVML Shared Library Not Found"}
         assert "gpu  none (" in run.status().stdout
         metrics = httpx.get(f"http://127.0.0.1:{run.health_port}/metrics").text
         assert "onecard_gpu_available 0" in metrics
-        r = subprocess.run([sys.executable, "-m", "supervisor", "check", "--config", str(run.config)], cwd=ROOT,
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0 and "gpu  none (" in r.stdout
+        r = run.cli("check", "--config", str(run.config), env=nvml_env("absent"))
+        assert r.returncode == 0 and "gpu  none (NVML unavailable" in r.stdout
         assert "Traceback" not in run.output() + r.stderr
+
+
+def test_gpu_facts_and_budgets_come_from_the_visible_card(tmp_path):
+    svc = {**fake_service(), "gpu_memory_bytes": 20 * 2**30}
+    run = SupervisorRun(tmp_path, {"a": svc}, gpu={"visible_devices": "1"}, env=nvml_env("16,80"))
+    r = run.cli("check", "--config", str(run.config), env=nvml_env("16,80"))
+    assert r.returncode == 0, r.stderr  # 20 GiB of card 1's 80
+    assert "gpu  Fake GPU 1, 1.0 / 80.0 GiB used" in r.stdout
+    r = run.cli("check", "--config", str(run.config), "--set", 'gpu.visible_devices="0"', env=nvml_env("16,80"))
+    assert r.returncode == 2 and "budgets add up to 1.25 of the card" in r.stderr  # 20 of card 0's 16
+    with run:
+        run.wait_ready()
+        gpu = run.wait_for("a GPU sample", lambda: run.status_doc()["gpu"] if run.status_doc()["gpu"].get(
+            "available") else None)
+        assert gpu["name"] == "Fake GPU 1" and gpu["memory_total_bytes"] == 80 * 2**30
 
 
 def test_real_cgroup_quota_and_throttling_are_reported(tmp_path):
