@@ -75,7 +75,8 @@ def run(
     from supervisor.launch import exec_supervisor
     exec_supervisor(cfg, plan)  # returns only where exec is not possible
     import asyncio
-    from supervisor.unit import Supervisor, route_logging
+    from supervisor.logs import route_logging
+    from supervisor.unit import Supervisor
     sup = Supervisor(cfg, plan)
     route_logging(sup.log)
     raise typer.Exit(asyncio.run(sup.run()))

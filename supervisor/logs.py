@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 import os
 import sys
 import threading
@@ -193,3 +194,23 @@ class Tail:
 
     def lines(self) -> list[str]:
         return list(self._lines)
+
+
+class _SinkHandler(logging.Handler):
+    def __init__(self, sink: LogSink):
+        super().__init__(logging.WARNING)
+        self.sink = sink
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.sink.line(SUPERVISOR_TAG, f"{record.name}: {record.getMessage()}", record.levelname.lower())
+        except Exception:  # noqa: BLE001 - logging must never raise into the loop
+            pass
+
+
+def route_logging(sink: LogSink) -> None:
+    """Library warnings (asyncio's among them) become tagged lines like ours, never bare
+    tracebacks on stderr. For the supervisor process only (it replaces the root handlers)."""
+    root = logging.getLogger()
+    root.handlers = [_SinkHandler(sink)]
+    root.setLevel(logging.WARNING)

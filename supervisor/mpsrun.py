@@ -11,20 +11,19 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from supervisor.child import ChildProcess
-from supervisor.lifecycle import EXIT_MPS_FAILED, MPS, Event, State, UnitEvent
+from supervisor.lifecycle import EXIT_MPS_FAILED, MPS, Event, State
 from supervisor.logs import Tail
 from supervisor.mps import BINARY, MpsDaemon, MpsError
 from supervisor.plan import ServicePlan
 
-if TYPE_CHECKING:
-    from supervisor.unit import Supervisor
-
-
 class MpsRunner:
-    def __init__(self, sup: "Supervisor", gpu: Any, mps_dir: str):
+    """`sup` is the driver (unit.Supervisor): its OS layer, clock, log, event queue,
+    one-shot registry, adopt/attach_output/wait_exit/child_exited."""
+
+    def __init__(self, sup: Any, gpu: Any, mps_dir: str):
         self.sup = sup
         self.daemon = MpsDaemon(mps_dir, gpu.mps_start_timeout_s, gpu.mps_stop_timeout_s)
         self.child = ChildProcess(ServicePlan("mps", "", 0, [BINARY, "-d"], {}, {}, 0), rules=MPS)

@@ -15,7 +15,8 @@ def main(fd: int) -> None:
         doc = json.load(fh)
     from supervisor.logs import LogSink
     from supervisor.plan import Plan
-    from supervisor.unit import Supervisor, route_logging
+    from supervisor.unit import Supervisor
+    from supervisor.logs import route_logging
     config = SimpleNamespace(supervisor=SimpleNamespace(**doc["supervisor"]), gpu=SimpleNamespace(**doc["gpu"]))
     sup = Supervisor(config, Plan.from_json(doc["plan"]),
                      log=LogSink(config.supervisor.log_format, max_lines=config.supervisor.log_buffer_lines))

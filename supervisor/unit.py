@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
-import logging
 import secrets
 import signal
 from typing import TYPE_CHECKING, Any
@@ -21,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 from supervisor import report
 from supervisor.child import ChildProcess
 from supervisor.clock import Clock, LoopClock, Timer
-from supervisor.control import ControlError, ControlServer, HealthServer, PortTaken, prepare_run_dir
-from supervisor.lifecycle import (EXIT_CONTROL_FAILED, EXIT_LIVENESS, EXIT_SETUP, EXIT_SPAWN_FAILED,
+from supervisor.endpoints import Endpoints
+from supervisor.watch import ServiceWatch
+from supervisor.lifecycle import (EXIT_SETUP, EXIT_SPAWN_FAILED,
                                   EXIT_STARTUP_TIMEOUT, IGNORED_SIGNALS, INTERRUPT_SIGNALS, STOP_SIGNALS,
                                   Action, Event, State, Unit, UnitEvent, UnitState)
 from supervisor.logs import LineSplitter, LogSink
@@ -73,11 +72,10 @@ class Supervisor:
         self.reaped_orphans: collections.deque[int] = collections.deque(maxlen=256)
         self._grace_timer: Timer | None = None
         self._startup_timer: Timer | None = None
-        self.control: ControlServer | None = None
-        self.health: HealthServer | None = None
-        self._recreating = False
+        self.endpoints = Endpoints(self)
+        self.watch = ServiceWatch(self)
         self._last_logged: dict[str, float] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     # ---- what others call: enqueue only ---------------------------------------------------
     def put(self, *event: Any) -> None:
@@ -97,9 +95,9 @@ class Supervisor:
 
     # ---- main loop ----------------------------------------------------------------------------
     async def run(self) -> int:
-        loop = self._loop = asyncio.get_running_loop()
+        loop = self.loop = asyncio.get_running_loop()
         loop.set_exception_handler(self._loop_exception)
-        code = await self._open_servers()
+        code = await self.endpoints.open()
         if code is not None:
             self.log.flush(2.0)
             return code
@@ -112,7 +110,7 @@ class Supervisor:
             self.os.raise_open_files_limit()
             for warning in self.plan.warnings:
                 self.log.warning(warning)
-            self.sampler.extra.append(self._watch_control_socket)
+            self.sampler.extra.append(self.endpoints.watch_control_socket)
             self.sampler.start()
             self._startup_timer = self.clock.call_later(self.settings.startup_timeout_s,
                                                         lambda: self.put("startup_deadline"))
@@ -134,34 +132,11 @@ class Supervisor:
             for sig, old in ignored.items():
                 signal.signal(sig, old)
             self.sampler.stop()
-            for server in (self.control, self.health):
-                if server is not None:
-                    await server.close()
+            await self.endpoints.close()
         code = self.unit.exit_code([c.exit_code for c in self.children if c.pid is not None])
         self.log.info(f"exit {code}: {self.unit.reason}")
         self.log.flush(2.0)
         return code
-
-    async def _open_servers(self) -> int | None:
-        s = self.settings
-        self.control = ControlServer(s.control_socket, self._control_command)
-        if s.health_port:
-            self.health = HealthServer(s.health_host, s.health_port, {
-                "/healthz": self._route_healthz, "/readyz": self._route_readyz,
-                "/metrics": lambda: (200, "text/plain; version=0.0.4; charset=utf-8",
-                                     report.metrics_text(self.view()))}, on_refused=self._probe_refused)
-        try:
-            await asyncio.to_thread(prepare_run_dir, self.plan.run_dir)
-            await self.control.start()
-            if self.health is not None:
-                await self.health.start()
-        except (ControlError, OSError) as exc:
-            self.log.error(str(exc))
-            for server in (self.control, self.health):
-                if server is not None:
-                    await server.close()
-            return EXIT_SETUP if isinstance(exc, PortTaken) else EXIT_CONTROL_FAILED
-        return None
 
     async def _prepare(self) -> None:
         """Before any service: every port free, then the MPS daemon (when on)."""
@@ -186,22 +161,21 @@ class Supervisor:
         elif kind == "signal":
             self._on_signal(*args)
         elif kind == "fail":
-            self._apply(self.unit.fire(UnitEvent.FAIL, *args))
+            self.apply(self.unit.fire(UnitEvent.FAIL, *args))
         elif kind == "spawn_services":
             self._spawn_services()
         elif kind == "ready_probe":
-            self._on_ready_probe(*args)
+            self.watch.on_ready_probe(*args)
         elif kind == "watch_probe":
-            self._on_watch(*args)
+            self.watch.on_watch(*args)
         elif kind == "startup_deadline":
             self._on_startup_deadline()
         elif kind == "grace":
             self._on_grace()
         elif kind == "stop_request":
             self._stop(UnitEvent.STOP, "`onecard stop` requested")
-        elif kind == "control_socket_gone" and not self._recreating:
-            self._recreating = True
-            self.spawn_task(self._recreate_control())
+        elif kind == "control_socket_gone":
+            self.endpoints.on_control_socket_gone()
         elif kind.startswith("mps_") and self.mps is not None:
             self.mps.on_event(kind, *args)
 
@@ -213,16 +187,16 @@ class Supervisor:
                 if self._startup_timer is not None:
                     self._startup_timer.cancel()
                 self.log.info(f"all services ready in {self.all_ready_at - self.started_at:.2f} s")
-                self._apply(self.unit.fire(UnitEvent.ALL_READY))
+                self.apply(self.unit.fire(UnitEvent.ALL_READY))
             return
         if any(c.state != State.EXITED for c in self.children):
             return
         if self.mps is not None and not self.mps.stopped:
             self.mps.begin_stop()
             return
-        self._apply(self.unit.fire(UnitEvent.ALL_EXITED))
+        self.apply(self.unit.fire(UnitEvent.ALL_EXITED))
 
-    def _apply(self, actions: tuple[Action, ...]) -> None:
+    def apply(self, actions: tuple[Action, ...]) -> None:
         for action in actions:
             if action == Action.TERMINATE:
                 if self._startup_timer is not None:
@@ -247,7 +221,7 @@ class Supervisor:
         if not self.unit.stopping:
             self.log.info(f"{reason}: draining every service (drain {self.plan.services[0].drain_s:g} s, "
                           f"grace {self.settings.grace_s:g} s)" if self.plan.services else reason)
-        self._apply(self.unit.fire(event, 0, reason))
+        self.apply(self.unit.fire(event, 0, reason))
 
     # ---- children -----------------------------------------------------------------------------
     def _spawn_services(self) -> None:
@@ -261,12 +235,12 @@ class Supervisor:
             except OSError as exc:
                 reason = f"{child.name}: cannot start {child.plan.argv[0]!r}: {exc}"
                 self.log.error(reason)
-                self._apply(self.unit.fire(UnitEvent.FAIL, EXIT_SPAWN_FAILED, reason))
+                self.apply(self.unit.fire(UnitEvent.FAIL, EXIT_SPAWN_FAILED, reason))
                 return
             self.adopt(child, spawned.pid)
             self.attach_output(child.name, spawned.output_fd, child)
             self.log.info(f"{child.name}: started pid {child.pid} on {child.plan.host}:{child.plan.port}")
-            self.spawn_task(self._probe_loop(child))
+            self.spawn_task(self.watch.probe_loop(child))
         self.sampler.targets = {c.name: c.pid for c in self.children if c.alive}
         self.sampler.request()
 
@@ -337,14 +311,14 @@ class Supervisor:
             return
         unit_code, reason = child.rules.unexpected_exit(child.name, code)
         self.log.error(f"{child.name}: exited with code {code}; stopping every service")
-        self._apply(self.unit.fire(UnitEvent.FAIL, unit_code, reason))
+        self.apply(self.unit.fire(UnitEvent.FAIL, unit_code, reason))
 
     def _on_signal(self, sig: int) -> None:
         name = signal.Signals(sig).name
         if sig in INTERRUPT_SIGNALS:
             if self.unit.stopping:
                 self.log.warning("second SIGINT: killing every service now")
-                self._apply(self.unit.fire(UnitEvent.INTERRUPT))
+                self.apply(self.unit.fire(UnitEvent.INTERRUPT))
             else:
                 self._stop(UnitEvent.INTERRUPT, f"{name} received")
         elif self.unit.stopping:
@@ -356,7 +330,7 @@ class Supervisor:
         for child in self.children:
             if child.alive:
                 self.log.warning(f"{child.name}: still running {self.settings.grace_s:g} s after SIGTERM; SIGKILL")
-        self._apply(self.unit.fire(UnitEvent.GRACE_EXPIRED))
+        self.apply(self.unit.fire(UnitEvent.GRACE_EXPIRED))
 
     def _on_startup_deadline(self) -> None:
         late = [c for c in self.children if c.state in (State.PENDING, State.STARTING)]
@@ -367,64 +341,9 @@ class Supervisor:
             why = f" (last probe: {c.last_probe_error})" if c.last_probe_error else ""
             self.log.error(f"{c.name} not ready after {self.settings.startup_timeout_s:g} s{why}; "
                            f"its last lines:\n{tail}")
-        self._apply(self.unit.fire(UnitEvent.FAIL, EXIT_STARTUP_TIMEOUT,
+        self.apply(self.unit.fire(UnitEvent.FAIL, EXIT_STARTUP_TIMEOUT,
                                    "start-up timeout: " + ", ".join(c.name for c in late)))
 
-    # ---- probes -------------------------------------------------------------------------------
-    async def _probe_loop(self, child: ChildProcess) -> None:
-        s = self.settings
-        while child.probing and not self.unit.stopping:
-            if child.state == State.STARTING:
-                self.put("ready_probe", child, await self.probes.get(child, "/readyz", s.liveness_timeout_s))
-                await self.clock.sleep(s.readiness_period_s)
-                continue
-            await self.clock.sleep(s.liveness_period_s)
-            if not child.probing or self.unit.stopping:
-                return
-            self.put("watch_probe", child, *await asyncio.gather(
-                self.probes.get(child, "/healthz", s.liveness_timeout_s),
-                self.probes.get(child, "/readyz", s.liveness_timeout_s),
-                self.probes.get(child, "/stats", s.liveness_timeout_s)))
-
-    def _on_ready_probe(self, child: ChildProcess, r) -> None:
-        if not child.probing or self.unit.stopping:
-            return
-        if r.ok:
-            child.fire(Event.READY_OK)
-            child.ready_at = self.clock.now()
-            child.last_probe_error = ""
-            self.log.info(f"{child.name}: ready after {child.ready_at - child.started_at:.2f} s")
-            return
-        child.fire(Event.READY_LOST)
-        child.last_probe_error = r.error or f"/readyz answered {r.status}"
-        if r.foreign:
-            self._log_once(f"foreign:{child.name}", "warning", f"{child.name}: {r.error}")
-
-    def _on_watch(self, child: ChildProcess, health, ready, stats) -> None:
-        if not child.probing or self.unit.stopping:
-            return
-        report.absorb_stats(child, stats)
-        s = self.settings
-        if health.ok:
-            child.liveness_misses = 0
-        else:
-            child.liveness_misses += 1
-            child.last_probe_error = health.error or f"/healthz answered {health.status}"
-            self.log.warning(f"{child.name}: liveness miss {child.liveness_misses}/{s.liveness_failures}: "
-                             f"{child.last_probe_error}")
-            if child.liveness_misses >= s.liveness_failures:
-                self._apply(self.unit.fire(UnitEvent.FAIL, EXIT_LIVENESS,
-                                           f"{child.name} failed {child.liveness_misses} liveness probes "
-                                           f"in a row ({child.last_probe_error})"))
-                return
-        before = child.state
-        after = child.fire(Event.READY_OK if ready.ok else Event.READY_LOST)
-        if before == State.READY and after == State.NOT_READY:
-            self.log.warning(f"{child.name}: not ready: {ready.error or f'/readyz answered {ready.status}'}")
-        elif before == State.NOT_READY and after == State.READY:
-            self.log.info(f"{child.name}: ready again")
-
-    # ---- control and probe port ---------------------------------------------------------------
     def view(self, sample=None) -> report.UnitView:
         return report.UnitView(
             pid=self.os.getpid(), unit=self.unit, now=self.clock.now(), started_at=self.started_at,
@@ -432,49 +351,9 @@ class Supervisor:
             mps=self.mps.child if self.mps else None,
             mps_pipe_dir=str(self.mps.daemon.pipe_dir) if self.mps else None,
             sample=sample or self.sampler.latest, quota=self.plan.quota, orphans_reaped=self.orphans_reaped,
-            log_dropped=self.log.dropped, probe_refused=self.health.refused if self.health else 0)
+            log_dropped=self.log.dropped, probe_refused=self.endpoints.probe_refused())
 
-    async def _control_command(self, cmd: str) -> dict[str, Any]:
-        if cmd == "stop":
-            self.put("stop_request")
-            return {"stopping": True, "pid": self.os.getpid()}
-        sample = await self.sampler.fresh(max_age_s=1.0, timeout_s=0.5)
-        return report.snapshot(self.view(sample))
-
-    def _route_healthz(self) -> tuple[int, str, str]:
-        if self.unit.stopping:
-            return 503, "application/json", json.dumps({"status": "stopping", "reason": self.unit.reason})
-        return 200, "application/json", json.dumps({"status": "ok"})
-
-    def _route_readyz(self) -> tuple[int, str, str]:
-        v = self.view()
-        if report.all_ready(v):
-            return 200, "application/json", json.dumps({"ready": True})
-        return 503, "application/json", json.dumps({"ready": False, "not_ready": report.not_ready(v)})
-
-    def _probe_refused(self, total: int) -> None:
-        self._log_once("probe-refused", "warning",
-                       f"probe port: {total} connections closed at once so far (over "
-                       f"{self.health.max_clients if self.health else 0} open at the same time)")
-
-    def _watch_control_socket(self) -> None:
-        """In the sampler thread: a deleted control socket is created again."""
-        loop = self._loop
-        if self.control is not None and not self._recreating and self.control.missing() and loop is not None:
-            loop.call_soon_threadsafe(self.put, "control_socket_gone")
-
-    async def _recreate_control(self) -> None:
-        try:
-            if self.control is not None and not self.unit.stopping:
-                await self.control.recreate()
-                self.log.warning(f"control socket {self.control.path} was removed; created it again")
-        except (ControlError, OSError) as exc:
-            self.log.error(f"control socket {self.settings.control_socket} was removed and cannot be "
-                           f"created again: {exc}")
-        finally:
-            self._recreating = False
-
-    def _log_once(self, key: str, level: str, text: str) -> None:
+    def log_once(self, key: str, level: str, text: str) -> None:
         now = self.clock.now()
         last = self._last_logged.get(key)
         if last is not None and now - last < LOG_REPEAT_S:
@@ -485,7 +364,7 @@ class Supervisor:
     def _loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")
         msg = context.get("message", "unexpected error")
-        self._log_once(f"loop:{msg}", "error", f"event loop: {msg}" + (
+        self.log_once(f"loop:{msg}", "error", f"event loop: {msg}" + (
             f": {type(exc).__name__}: {exc}" if exc is not None else ""))
 
     # ---- the end ------------------------------------------------------------------------------
@@ -512,22 +391,3 @@ class Supervisor:
         for pid in list(self.oneshots):
             self.os.kill_group(pid, signal.SIGKILL)
         self._on_sigchld()
-
-
-class _SinkHandler(logging.Handler):
-    def __init__(self, sink: LogSink):
-        super().__init__(logging.WARNING)
-        self.sink = sink
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.sink.line("onecard", f"{record.name}: {record.getMessage()}", record.levelname.lower())
-        except Exception:  # noqa: BLE001 - logging must never raise into the loop
-            pass
-
-
-def route_logging(sink: LogSink) -> None:
-    """Library warnings (asyncio's among them) are tagged lines like ours, never bare tracebacks."""
-    root = logging.getLogger()
-    root.handlers = [_SinkHandler(sink)]
-    root.setLevel(logging.WARNING)

@@ -12,7 +12,7 @@ import time
 
 import psutil
 
-from tests.harness import ROOT, SupervisorRun, fake_service, free_port, http_get
+from tests.harness import ROOT, SupervisorRun, fake_service, http_get
 
 STATUS_KEYS = {"name", "pid", "host", "port", "state", "ready", "uptime_s", "exit_code", "threads",
                "liveness_misses", "last_probe_error", "cpu_percent", "cpu_seconds", "rss_bytes",
