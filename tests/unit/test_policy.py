@@ -400,3 +400,37 @@ def test_stop_request_drains_like_sigterm(tmp_path):
     s, fake, clock, _, out = make(tmp_path)
     assert history(s, clock, [1.0, lambda: s.put("stop_request")]) == 0
     assert "`onecard stop` requested: draining every service" in text(out)
+
+
+# ---- identity of probe answers (probe.py), with a scripted process table ------------------
+def _identity_case(result, *, tree=frozenset({50, 51}), listeners=frozenset(), token="t0k3n"):
+    from supervisor.child import ChildProcess
+    from supervisor.plan import ServicePlan
+    from supervisor.probe import ChildProber
+
+    async def prober(target, path, timeout, max_body):
+        return result
+
+    child = ChildProcess(ServicePlan("svc", "127.0.0.1", 9000, ["x"], {}, {}, 1), pid=50, token=token)
+    p = ChildProber(prober, tree_pids=lambda pid: set(tree), listener_pids=lambda port, pids: set(listeners) & pids)
+    return asyncio.run(p.get(child, "/readyz", 1.0)), child
+
+
+@pytest.mark.parametrize("result,ours", [
+    (ProbeResult(200, b"{}", instance="t0k3n", via="tcp"), True),
+    (ProbeResult(200, b'{"instance": "t0k3n"}', via="tcp"), True),
+    (ProbeResult(200, b'{"pid": 51}', instance="stale-token", via="tcp"), False),  # the token decides
+    (ProbeResult(200, b'{"instance": "other", "pid": 50}', via="tcp"), False),
+    (ProbeResult(200, b'{"pid": 51}', via="tcp"), True),      # a pid of the child's tree
+    (ProbeResult(200, b'{"pid": 99}', via="tcp"), False),
+    (ProbeResult(200, b'{"ready": true}', via="tcp"), False),  # no identity, port held by someone else
+    (ProbeResult(200, b'{"ready": true}', via="unix"), True),  # our private socket directory
+])
+def test_only_our_childs_answers_count(result, ours):
+    got, _ = _identity_case(result)
+    assert got.ok is ours and got.foreign is (not ours)
+
+
+def test_a_listener_in_the_tree_makes_an_anonymous_answer_ours_once_checked():
+    got, child = _identity_case(ProbeResult(200, b"{}", via="tcp"), listeners={51})
+    assert got.ok and child.listener_verified
