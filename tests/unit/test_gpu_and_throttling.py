@@ -152,6 +152,11 @@ def test_cpu_account_never_goes_back():
     # a reading that goes down (pid reuse, a racing /proc read) never lowers the total
     assert acc.update({root: 2.0}, {root: 1}) == 3.5
     assert acc.update({root: 4.0}, {root: 1}) == 4.5
+    # a child that vanishes while its parent stays, but whose time the parent never shows
+    # (it was not the parent that reaped it): the total still does not drop
+    child = (13, 2.0)
+    assert acc.update({root: 4.0, child: 1.0}, {root: 1, child: 10}) == 5.5
+    assert acc.update({root: 4.0}, {root: 1}) == 5.5
 
 
 def test_sampler_percent_is_never_negative():
