@@ -81,9 +81,47 @@ def _ppid_map() -> dict[int, int]:
     return out
 
 
+def _proc_children(pid: int) -> list[int] | None:
+    """Direct children from /proc/PID/task/*/children (Linux 3.5+): a walk down a tree costs
+    what the tree holds, not a pass over every process of the host. None where unsupported."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return []
+    except OSError:
+        return None
+    out: list[int] = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as fh:
+                out.extend(int(x) for x in fh.read().split())
+        except FileNotFoundError:
+            if tid == str(pid) and not os.path.exists(f"/proc/{pid}/task/{tid}"):
+                continue
+            if not os.path.exists(f"/proc/{pid}/task/{tid}"):
+                continue  # the thread ended meanwhile
+            return None  # the kernel has no children files
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def tree_pids(root: int, ppids: dict[int, int] | None = None) -> set[int]:
-    """A process and every descendant (one pass over the process table)."""
-    ppids = _ppid_map() if ppids is None else ppids
+    """A process and every descendant."""
+    if ppids is None:
+        out, todo = set(), [root]
+        while todo:
+            pid = todo.pop()
+            if pid in out:
+                continue
+            kids = _proc_children(pid)
+            if kids is None:
+                return tree_pids(root, _ppid_map())
+            if pid == root and not kids and not psutil.pid_exists(root):
+                return set()
+            out.add(pid)
+            todo.extend(kids)
+        return out
     if root not in ppids and not psutil.pid_exists(root):
         return set()
     children: dict[int, list[int]] = {}
@@ -99,7 +137,7 @@ def tree_pids(root: int, ppids: dict[int, int] | None = None) -> set[int]:
     return out
 
 
-def _read_tree(pids: set[int], ppids: dict[int, int] | None = None) -> tuple[dict[Key, float], int, dict[Key, int]]:
+def _read_tree(pids: set[int]) -> tuple[dict[Key, float], int, dict[Key, int]]:
     """Per process: CPU seconds (its own and its waited-for children's), RSS sum, parents."""
     cpu: dict[Key, float] = {}
     parents: dict[Key, int] = {}
@@ -111,7 +149,7 @@ def _read_tree(pids: set[int], ppids: dict[int, int] | None = None) -> tuple[dic
                 t = p.cpu_times()
                 key = (pid, p.create_time())
                 cpu[key] = t.user + t.system + t.children_user + t.children_system
-                parents[key] = (ppids or {}).get(pid, -1)
+                parents[key] = p.ppid()
                 rss += p.memory_info().rss
         except psutil.Error:
             continue
@@ -196,14 +234,13 @@ class Sampler:
 
     def sample_once(self) -> Sample:
         now = self.clock()
-        ppids = _ppid_map()
         trees: dict[str, TreeFigures] = {}
         targets = dict(self.targets)
         for name, pid in targets.items():
-            pids = tree_pids(pid, ppids)
+            pids = tree_pids(pid)
             if not pids:
                 continue
-            cpu, rss, parents = _read_tree(pids, ppids)
+            cpu, rss, parents = _read_tree(pids)
             account = self._accounts.setdefault((name, pid), CpuAccount())
             total = account.update(cpu, parents)
             trees[name] = TreeFigures(total, self._percent((name, pid), total, now), rss, frozenset(pids))
@@ -214,7 +251,7 @@ class Sampler:
         with own.oneshot():
             t = own.cpu_times()
             own_seconds, own_rss = t.user + t.system, own.memory_info().rss  # not the reaped children's
-        own_tree = tree_pids(me, ppids)
+        own_tree = tree_pids(me)
         _, tree_rss, _ = _read_tree(own_tree)
         gpu = self.gpu.read({n: set(t.pids) for n, t in trees.items()}) if self.gpu is not None else \
             {"available": False, "reason": "not sampled"}
