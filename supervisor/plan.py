@@ -88,10 +88,23 @@ def plan_threads(config: "Config", quota: CpuQuota) -> tuple[dict[str, int], lis
     return {n: threads[n] for n in services}, warnings
 
 
+def _unit_services(config: "Config") -> dict[str, dict[str, str]]:
+    """Each enabled app service's loopback URL: a wildcard bind is reached on 127.0.0.1."""
+    out = {}
+    for name, svc in config.enabled_services().items():
+        if svc.app is None:
+            continue
+        host = "127.0.0.1" if svc.host in ("0.0.0.0", "", "::") else svc.host
+        host = f"[{host}]" if ":" in host else host
+        out[name] = {"url": f"http://{host}:{svc.port}"}
+    return out
+
+
 def build_plan(config: "Config", quota: CpuQuota, base_env: Mapping[str, str]) -> Plan:
     from supervisor.config import drain_of, probe_socket_of, run_dir_of
     threads, warnings = plan_threads(config, quota)
     mps_dir = mps_dir_of(config)
+    unit_services = json.dumps(_unit_services(config), sort_keys=True)
     plans = []
     for name, svc in config.enabled_services().items():
         if svc.command is not None:
@@ -106,6 +119,8 @@ def build_plan(config: "Config", quota: CpuQuota, base_env: Mapping[str, str]) -
             "ONECARD_SERVICE_CONFIG": json.dumps(svc.settings, sort_keys=True),
             "ONECARD_GRACE_S": f"{config.supervisor.grace_s:g}",
             "ONECARD_DRAIN_S": f"{drain_of(config, name):g}",
+            # where the unit's services listen, for a service that calls its neighbours (jobs)
+            "ONECARD_UNIT_SERVICES": unit_services,
             "CUDA_VISIBLE_DEVICES": config.gpu.visible_devices,
             "PYTHONUNBUFFERED": "1",
             **{var: str(threads[name]) for var in THREAD_VARS},

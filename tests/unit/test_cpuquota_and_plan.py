@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from supervisor.config import Config, ConfigError
@@ -103,3 +105,15 @@ def test_plan_environment():
     assert "ONECARD_SERVICES__A__PORT" not in sp.env  # the supervisor's overrides do not leak
     assert sp.env["OMP_NUM_THREADS"] == sp.env["ONECARD_SERVICE_THREADS"] == "2"
     assert sp.env["ONECARD_SERVICE_APP"] == "m:f"
+
+
+def test_every_service_learns_where_the_units_app_services_listen():
+    config = Config.model_validate({"services": {
+        "a": {"app": "m:f", "port": 9000, "host": "0.0.0.0"},
+        "b": {"app": "m:f", "port": 9001, "host": "::1"},
+        "c": {"app": "m:f", "port": 9002, "enabled": False},
+        "d": {"command": ["sleep", "1"], "port": 9003}}})
+    plan = build_plan(config, quota(4), {})
+    for sp in plan.services:
+        assert json.loads(sp.env["ONECARD_UNIT_SERVICES"]) == {
+            "a": {"url": "http://127.0.0.1:9000"}, "b": {"url": "http://[::1]:9001"}}
