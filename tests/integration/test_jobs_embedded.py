@@ -16,7 +16,7 @@ from PIL import Image
 from tests.images import astronaut, encode, pixel_bomb_png
 from tests.jobs_harness import DETECT_APP, IMG2IMG_APP, TARGET_APP, Unit, b64, start_units
 
-HAAR = "detect/haar/haarcascade_frontalface_default.xml"
+HAAR = "detect/haar/haarcascade_frontalface_default"
 SCRIPTED = "scripted/scripted/m1"
 WORK = "/api/v1/work"
 
@@ -123,21 +123,34 @@ def test_a_service_with_dry_run_validates_submits_without_working(unit):
     assert "dry" not in calls["started"] and calls["started"].count("dry-ok") == 1  # the dry run never worked
 
 
+def test_detect_validates_every_submit_with_its_dry_run(unit):
+    img = b64(small_face())
+    for _ in range(2):  # not only until the first good job: the service keeps answering dry runs
+        r = unit.api.post("/v1/jobs", json={"service": "detect", "route": "/api/v1/facedetect",
+                                            "params": {"min_score": 5}, "image": img})
+        assert r.status_code == 422 and r.json()["error"]["message"].startswith("min_score"), r.text
+        good = unit.submit("detect", "/api/v1/facedetect", image=img)
+        assert unit.wait(good["id"])["state"] == "succeeded"
+    detect = next(t for t in unit.api.get("/info").json()["targets"] if t["name"] == "detect")
+    assert detect["dry_run"] is True
+
+
 def test_a_service_without_dry_run_still_rejects_bad_params_at_submit_then_at_run(tmp_path):
-    """Today's services run a request marked as a dry run: a bad one is refused by the service's own
-    checks before any work (422 at submit); once a valid one shows the service has no dry run, submits
-    get the structural checks only and a bad job fails with the service's own 422 when it runs."""
-    u = Unit(tmp_path, "fresh", targets={"detect": (DETECT_APP, {"backend": "haar", "warmup_runs": 0})})
+    """A service that runs a request marked as a dry run (it has no dry run): a bad one is refused
+    by its own checks before any work (422 at submit); once a valid one shows that it has no dry
+    run, submits get the structural checks only and a bad job fails with the service's own 422
+    when it runs."""
+    u = Unit(tmp_path, "fresh", targets={"scripted": (TARGET_APP, {"model": "m1", "dry_run": False})})
     try:
         start_units(u)
-        img = b64(small_face())
-        r = u.api.post("/v1/jobs", json={"service": "detect", "route": "/api/v1/facedetect",
-                                         "params": {"min_score": 5}, "image": img})
-        assert r.status_code == 422 and r.json()["error"]["message"].startswith("min_score")
-        good = u.submit("detect", "/api/v1/facedetect", image=img)
+        r = u.api.post("/v1/jobs", json={"service": "scripted", "route": WORK, "body": {"tag": "b0", "sleep_s": -1}})
+        assert r.status_code == 422 and r.json()["error"]["message"].startswith("sleep_s"), r.text
+        good = u.submit("scripted", WORK, body={"tag": "ok", "sleep_s": 0})
         assert u.wait(good["id"])["state"] == "succeeded"
+        calls = u.calls("scripted")
+        assert calls["started"].count("ok") == 2  # the probe that found no dry run, then the job
         assert u.api.get("/info").json()["targets"][0]["dry_run"] is False
-        bad = u.submit("detect", "/api/v1/facedetect", params={"min_score": 5}, image=img)
+        bad = u.submit("scripted", WORK, body={"tag": "b1", "sleep_s": -1})
         failed = u.wait(bad["id"])
         assert failed["state"] == "failed" and failed["attempts"] == 1
         assert failed["error"]["code"] == "invalid_parameter" and failed["error"]["status"] == 422
