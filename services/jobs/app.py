@@ -12,7 +12,8 @@ import signal
 import sys
 import threading
 from contextlib import asynccontextmanager
-from typing import Any, Callable
+from types import SimpleNamespace
+from typing import Any, Awaitable, Callable
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -21,8 +22,11 @@ from services.jobs.api import add_routes
 from services.jobs.service import JobsService
 from services.jobs.settings import JobsSettings
 from services.runtime.errors import error_response, install_error_handlers
+from services.runtime.probes import Heartbeat, ProbeServer, json_route
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/stats"})
+METRICS_TYPE = "text/plain; version=0.0.4"
+ON_LOOP_TIMEOUT_S = 3.0
 
 
 class JobsMiddleware:
@@ -94,6 +98,10 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        loop = asyncio.get_running_loop()
+        loop_box.append(loop)
+        heartbeat.start(loop)
+        await asyncio.to_thread(probes.start)
         svc.begin()
         restore = on_stop_signal(asyncio.get_running_loop(), svc.begin_drain)
         try:
@@ -101,30 +109,42 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
         finally:
             await svc.shutdown()
             restore()
+            heartbeat.stop()
+            await asyncio.to_thread(probes.stop)
 
     app = FastAPI(title="onecard jobs", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.jobs = svc
+    # what services.runtime.serve reads: the connection limits, and `draining` set on SIGTERM
+    app.state.ctx = SimpleNamespace(settings=cfg, draining=False)
     install_error_handlers(app)
     ident = {"instance": instance, "pid": os.getpid()}
 
+    heartbeat = Heartbeat()
+
+    def health() -> tuple[int, dict]:  # in the probe thread too: reads only, never awaits
+        problem = svc.problem() or heartbeat.problem(cfg.loop_stall_s)
+        if problem:
+            return 503, {"status": "failing", "reason": problem, **ident}
+        return 200, {"status": "ok", **ident}
+
+    async def readiness() -> tuple[int, dict]:
+        if svc.draining:
+            return 503, {"ready": False, "reason": "draining", **ident}
+        if not svc.ready:
+            return 503, {"ready": False, "reason": svc.startup_problem or "starting", **ident}
+        if not await svc.broker.ping():
+            return 503, {"ready": False, "reason": "the job queue cannot be reached", **ident}
+        return 200, {"ready": True, **ident}
+
     @app.get("/healthz", include_in_schema=False)
     async def healthz():
-        problem = svc.problem()
-        if problem:
-            return JSONResponse({"status": "failing", "reason": problem, **ident}, status_code=503)
-        return {"status": "ok", **ident}
+        status, doc = health()
+        return JSONResponse(doc, status_code=status)
 
     @app.get("/readyz", include_in_schema=False)
     async def readyz():
-        if svc.draining:
-            return JSONResponse({"ready": False, "reason": "draining", **ident}, status_code=503)
-        if not svc.ready:
-            return JSONResponse({"ready": False, "reason": svc.startup_problem or "starting", **ident},
-                                status_code=503)
-        if not await svc.broker.ping():
-            return JSONResponse({"ready": False, "reason": "the job queue cannot be reached", **ident},
-                                status_code=503)
-        return {"ready": True, **ident}
+        status, doc = await readiness()
+        return JSONResponse(doc, status_code=status)
 
     @app.get("/info")
     async def info():
@@ -144,12 +164,11 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
                                                     "max_queued_jobs", "run_timeout_s")},
         }
 
-    @app.get("/stats", include_in_schema=False)
-    async def stats():
+    async def stats_doc() -> tuple[int, dict]:
         streams = await svc.streams()
         running = svc.metrics.percentiles("running")
         counts = svc.metrics.counts
-        return {
+        return 200, {
             "queue_depth": sum(s["lag"] for s in streams),
             "in_flight": sum(len(c.running) for c in svc.consumers.values()),
             "served": counts["succeeded"],
@@ -160,9 +179,45 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
                      "streams": streams, "stages": svc.stages(), "counts": dict(counts)},
         }
 
+    async def exposition() -> bytes:
+        return svc.metrics.exposition(await svc.streams())
+
+    @app.get("/stats", include_in_schema=False)
+    async def stats():
+        return (await stats_doc())[1]
+
     @app.get("/metrics", include_in_schema=False)
     async def metrics():
-        return Response(svc.metrics.exposition(await svc.streams()), media_type="text/plain; version=0.0.4")
+        return Response(await exposition(), media_type=METRICS_TYPE)
+
+    # The supervisor probes the private unix socket, served from its own thread: clients
+    # holding every connection of the public port cannot make this unit look dead.
+    loop_box: list[asyncio.AbstractEventLoop] = []
+
+    def on_loop(coro_fn: Callable[[], Awaitable[Any]]) -> Any:
+        if not loop_box:
+            raise RuntimeError("the service has not started")
+        return asyncio.run_coroutine_threadsafe(coro_fn(), loop_box[0]).result(ON_LOOP_TIMEOUT_S)
+
+    def from_loop(coro_fn, waiting_doc: dict) -> Callable[[], tuple[int, dict]]:
+        def route() -> tuple[int, dict]:
+            try:
+                return on_loop(coro_fn)
+            except Exception as exc:  # noqa: BLE001 - a probe answers; it never raises
+                return 503, {**waiting_doc, "reason": f"the event loop did not answer: {type(exc).__name__}", **ident}
+        return route
+
+    def metrics_route() -> tuple[int, str, bytes]:
+        try:
+            return 200, METRICS_TYPE, on_loop(exposition)
+        except Exception as exc:  # noqa: BLE001
+            return 503, "text/plain", f"the event loop did not answer: {type(exc).__name__}\n".encode()
+
+    probes = ProbeServer({"/healthz": json_route(health),
+                          "/readyz": json_route(from_loop(readiness, {"ready": False})),
+                          "/stats": json_route(from_loop(stats_doc, {})),
+                          "/metrics": metrics_route},
+                         unix_path=os.environ.get("ONECARD_PROBE_SOCKET") or None)
 
     add_routes(app, svc)
     app.add_middleware(JobsMiddleware, key=cfg.resolved_api_key(), instance=instance)

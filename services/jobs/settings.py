@@ -96,6 +96,21 @@ class JobsSettings(_Strict):
                                   "go back on the queue")
     max_wait_s: float = Field(10.0, ge=0, le=300, description="longest GET /v1/jobs/{id}?wait= (long poll)")
     retry_after_s: int = Field(1, ge=0, le=3600, description="Retry-After on 503 and on unfinished results")
+    # the connection limits every onecard service applies (services.runtime.serve reads them)
+
+    # ---- connections and protocol ------------------------------------------------------
+    max_connections: int = Field(512, ge=1, le=1_000_000,
+                                 description="open client connections; beyond, new ones get 503 and are closed")
+    max_header_bytes: int = Field(16 * 1024, ge=1024, le=2**20,
+                                  description="request line plus headers; beyond: 431 and the connection is closed")
+    header_timeout_s: float = Field(10.0, gt=0, le=3600, allow_inf_nan=False,
+                                    description="time to receive a request's line and headers once it started; then 408")
+    body_timeout_s: float = Field(60.0, gt=0, le=3600, allow_inf_nan=False,
+                                  description="time to receive a whole request body; then 408")
+    keepalive_timeout_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False,
+                                       description="an idle kept-alive connection is closed after this")
+    loop_stall_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False,
+                                description="/healthz fails when the event loop has not run for this long")
     api_key: str | None = Field(None, description="require this key (Bearer or X-API-Key)")
     api_key_env: str | None = Field(None, description="...or read the key from this environment variable")
 

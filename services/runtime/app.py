@@ -68,9 +68,8 @@ class ServiceContext:
 
     def health(self) -> tuple[int, dict]:
         problem = self.scheduler.problem() if self.scheduler is not None else None
-        stalled = self.heartbeat.age()
-        if problem is None and stalled > self.settings.loop_stall_s:
-            problem = f"the event loop has not run for {stalled:.1f} s"
+        if problem is None:
+            problem = self.heartbeat.problem(self.settings.loop_stall_s)
         if problem:
             return 503, {"status": "stuck", "reason": problem, **self._identity()}
         return 200, {"status": "ok", **self._identity()}

@@ -53,6 +53,11 @@ class Heartbeat:
     def age(self) -> float:
         return time.monotonic() - self._last
 
+    def problem(self, limit_s: float) -> str | None:
+        """Why /healthz must fail (the loop has not run for ``limit_s``), or None."""
+        stalled = self.age()
+        return f"the event loop has not run for {stalled:.1f} s" if stalled > limit_s else None
+
 
 def json_route(fn: Callable[[], tuple[int, dict]]) -> ProbeRoute:
     def route() -> tuple[int, str, bytes]:

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import base64
 import io
+import os
+import shutil
+import socket
+import tempfile
 import time
 
 import httpx
@@ -14,6 +18,7 @@ import pytest
 from PIL import Image
 
 from tests.images import astronaut, encode, pixel_bomb_png
+from tests.service_harness import probe
 from tests.jobs_harness import DETECT_APP, IMG2IMG_APP, TARGET_APP, Unit, b64, start_units
 
 HAAR = "detect/haar/haarcascade_frontalface_default"
@@ -286,3 +291,43 @@ def test_long_poll_answers_when_the_job_finishes(unit):
     assert unit.api.get(f"/v1/jobs/{job['id']}", params={"wait": 5}, timeout=2).json()["state"] == "succeeded"
     assert unit.api.get(f"/v1/jobs/{job['id']}", params={"wait": "soon"}).status_code == 422
     assert unit.api.get("/v1/jobs/" + "1" * 32, params={"wait": 1}).status_code == 404
+
+
+def test_probes_answer_on_the_private_socket_while_clients_hold_every_connection(tmp_path):
+    """The supervisor probes the jobs service on its unix socket, served apart from the public
+    port: clients holding every public connection cannot make a working unit look dead."""
+    sock_dir = tempfile.mkdtemp(prefix="oc-", dir="/tmp")  # a unix socket path must stay short
+    u = Unit(tmp_path, "held", targets={"scripted": (TARGET_APP, {"model": "m1", "dry_run": True})},
+             max_connections=4, header_timeout_s=120)
+    path = os.path.join(sock_dir, "jobs.sock")
+    u.jobs.env.update(ONECARD_PROBE_SOCKET=path, ONECARD_INSTANCE_TOKEN="tok-jobs")
+    held = []
+    try:
+        start_units(u)
+        for _ in range(4):  # every connection the public port allows, each mid-request
+            s = socket.create_connection(("127.0.0.1", u.jobs.port))
+            s.sendall(b"GET /v1/jobs/x HTTP/1.1\r\nHost: x\r\n")
+            held.append(s)
+        deadline = time.monotonic() + 10
+        while True:  # the public port is full: a newcomer is refused
+            try:
+                refused = httpx.get(u.jobs.url + "/healthz", timeout=2).status_code == 503
+            except httpx.HTTPError:
+                refused = True
+            if refused:
+                break
+            assert time.monotonic() < deadline, "the public port still took connections"
+            time.sleep(0.1)
+        status, doc = probe(path, "/healthz")
+        assert (status, doc["status"], doc["instance"], doc["pid"]) == (200, "ok", "tok-jobs", u.jobs.proc.pid)
+        status, doc = probe(path, "/readyz")
+        assert (status, doc["ready"], doc["instance"]) == (200, True, "tok-jobs")
+        status, doc = probe(path, "/stats")
+        assert status == 200 and doc["jobs"]["mode"] == "embedded" and doc["queue_depth"] == 0
+        status, doc = probe(path, "/metrics")
+        assert status == 200 and "onecard_jobs" in doc["text"]
+    finally:
+        for s in held:
+            s.close()
+        u.stop()
+        shutil.rmtree(sock_dir, ignore_errors=True)
