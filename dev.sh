@@ -18,7 +18,7 @@ SAMPLE="sample.jpg"
 if [ -t 2 ] && [ -z "${CI:-}" ]; then
     PIP_FLAGS=(--progress-bar on)
 else
-    PIP_FLAGS=(-q --progress-bar off)
+    PIP_FLAGS=(-qq --progress-bar off)
 fi
 
 step() { printf 'dev.sh: %s\n' "$*" >&2; }
