@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from bench.common import bench_images, service, table, timed_loop, write_result
 from bench.loadgen import run_load
 from tests.harness import SupervisorRun, free_port
@@ -65,19 +67,27 @@ def naive_run(duration: float, conc: int) -> dict:
 
 def img2img_throughput(duration: float, conc: int) -> dict:
     os.environ["ONECARD_SERVICE_THREADS"] = "1"
-    from services.img2img.backends import StyleBackend
-    from services.img2img.params import Img2ImgItem, Progress
+    from PIL import Image
+    from services.img2img.params import Img2ImgItem, parse_style
+    from services.img2img.progress import Progress
     from services.img2img.settings import Img2ImgSettings
-    from services.runtime.codec import decode_image, encode_image
+    from services.img2img.style import StyleBackend
+    from services.runtime.codec import DecodeLimits, decode_image, encode_image
     from services.runtime.threads import apply_threads
     apply_threads(1)
-    backend = StyleBackend(Img2ImgSettings.model_validate(IMG2IMG), Progress())
+    cfg = Img2ImgSettings.model_validate(IMG2IMG)
+    backend = StyleBackend(cfg, Progress())
     backend.load()
     data = bench_images()[0][0]
+    limits = DecodeLimits(max_pixels=10**9)
 
     def bare_call(i):
-        item = Img2ImgItem(decode_image(data, 10**9).rgb, "", "", 0.75, 1, 0.0, 0, style=3)
-        encode_image(backend.infer_batch([item])[0], "png")
+        img = decode_image(data, limits, cfg.max_side)
+        item = Img2ImgItem(Image.fromarray(img.rgb), "", "", 0.75, 1, 0.0, 0, (img.width, img.height),
+                           style_weights=parse_style(3))
+        backend.prepare(item)
+        out = backend.postprocess(item, backend.infer_batch([item])[0])
+        encode_image(np.asarray(Image.fromarray(out).resize(item.out_size)), "png")
 
     bare_call(0)
     # interleaved rounds, so that bare and served see the same machine state

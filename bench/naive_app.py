@@ -11,13 +11,19 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+import numpy as np
+from PIL import Image
+
 from services.detect.backends import CenterFaceBackend, DetectItem
 from services.detect.settings import DetectSettings
-from services.img2img.backends import StyleBackend
-from services.img2img.params import Img2ImgItem, Progress
+from services.img2img.params import Img2ImgItem, parse_style
+from services.img2img.progress import Progress
 from services.img2img.settings import Img2ImgSettings
-from services.runtime.codec import encode_image, read_image_request
+from services.img2img.style import StyleBackend
+from services.runtime.codec import DecodeLimits, decode_image, encode_image
 from services.runtime.threads import apply_threads, planned_threads
+
+LIMITS = DecodeLimits(max_pixels=40_000_000)
 
 
 def create_app(settings: dict[str, Any]) -> FastAPI:
@@ -41,19 +47,22 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
     async def readyz():
         return JSONResponse({"ready": ready["ok"]}, status_code=200 if ready["ok"] else 503)
 
+    # the naive design decodes and encodes on the event loop, as many services do
     @app.post("/api/v1/facedetect")
     async def facedetect(request: Request):
-        img = await read_image_request(request, 20 * 2**20, 40_000_000)
+        img = decode_image(await request.body(), LIMITS)
         loop = asyncio.get_running_loop()
-        faces = await loop.run_in_executor(pool, detect.infer_batch, [DetectItem(img.image.rgb, 0.5, None)])
-        return {"faces": faces[0], "width": img.image.width, "height": img.image.height}
+        faces = await loop.run_in_executor(pool, detect.infer_batch, [DetectItem(img.rgb, 0.5, None)])
+        return {"faces": faces[0], "width": img.width, "height": img.height}
 
     @app.post("/api/v1/img2img")
     async def run_img2img(request: Request):
-        img = await read_image_request(request, 20 * 2**20, 40_000_000)
-        item = Img2ImgItem(img.image.rgb, "", "", 1.0, 1, 0.0, 0, style=int(request.query_params.get("style", 0)))
+        img = decode_image(await request.body(), LIMITS)
+        item = Img2ImgItem(Image.fromarray(img.rgb), "", "", 1.0, 1, 0.0, 0, (img.width, img.height),
+                           style_weights=parse_style(int(request.query_params.get("style", 0))))
+        img2img.prepare(item)
         out = await asyncio.get_running_loop().run_in_executor(pool, img2img.infer_batch, [item])
-        data, mime = encode_image(out[0], "png")
+        data, mime = encode_image(np.asarray(Image.fromarray(out[0]).resize(item.out_size)), "png")
         return Response(data, media_type=mime)
 
     return app

@@ -20,8 +20,8 @@ from tests.harness import SupervisorRun, free_port
 
 BARE = {
     "detect": "from services.detect.backends import CenterFaceBackend as B; from services.detect.settings import DetectSettings as S",
-    "img2img": "from services.img2img.backends import StyleBackend as B0; from services.img2img.settings import Img2ImgSettings as S; "
-               "from services.img2img.params import Progress; B = lambda s: B0(s, Progress())",
+    "img2img": "from services.img2img.style import StyleBackend as B0; from services.img2img.settings import Img2ImgSettings as S; "
+               "from services.img2img.progress import Progress; B = lambda s: B0(s, Progress())",
 }
 
 

@@ -22,6 +22,8 @@ STEPS = {
     "ready": (["bench.ready_bench"], ["--trials", "3"], ["--trials", "1"]),
     "detect": (["bench.detect_bench"], ["--duration", "12"], ["--duration", "4"]),
     "isolation": (["bench.isolation_bench"], ["--duration", "20"], ["--duration", "6"]),
+    "img2img": (["bench.img2img_bench"], ["--duration", "12"], ["--duration", "4"]),
+    "contention": (["bench.contention_bench"], ["--runs", "5"], ["--runs", "2", "--only-threads", "2"]),
     "soak": (["bench.soak"], ["--requests", "10000"], ["--requests", "1000", "--warmup", "200"]),
 }
 
@@ -69,6 +71,21 @@ def main() -> int:
                      f"{i['naive_p99_over_onecard_p99_loaded']:.1f}x",
                      f"naive {i['naive']['loaded']['detect']['p99_ms']} ms", ">= 5x"))
         rows.append(("img2img served/bare throughput", f"{i['img2img_throughput']['ratio']:.2f}", "", ">= 0.95"))
+    if "img2img" in r:
+        g = r["img2img"]
+        for c, v in g["by_concurrency"].items():
+            h = v["healthz"]
+            rows.append((f"img2img ({g['mode']}) served/bare batched throughput, concurrency {c}",
+                         f"{v['served_over_bare']:.2f}",
+                         f"{v['served_images_per_s']} vs {v['bare_images_per_s']} img/s (bare batch {v['bare_batch']})",
+                         ">= 0.9 at 8 (GPU)"))
+            rows.append((f"/healthz p50 / p99 under img2img concurrency {c}",
+                         f"{h['public_p50_ms']} / {h['public_p99_ms']} ms",
+                         f"probe socket {h['probe_p50_ms']} / {h['probe_p99_ms']} ms", "p99 <= 20 ms"))
+    if "contention" in r:
+        for v in r["contention"]["results"]:
+            rows.append((f"diffusers CPU, {v['threads']} threads, {v['policy']}: neighbours / alone",
+                         f"{v['slowdown']:.2f}x", f"{v['with_neighbours_s']} vs {v['alone_s']} s", ""))
     if "ready" in r:
         rows.append(("time to ready / bare load + warm-up", f"{r['ready']['ratio']:.2f}",
                      f"{r['ready']['served_median_s']:.2f} s vs {r['ready']['bare_median_s']:.2f} s", ""))

@@ -79,7 +79,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         # production probe cadence (configs/default.toml): the idle cost is what users pay
         with SupervisorRun(Path(d), {"a": fake_service(), "b": fake_service()},
-                           liveness_period_s=5.0) as run:
+                           liveness_period_s=5.0, sample_period_s=5.0) as run:
             run.wait_ready()
             st = status_times(run, 20)
             time.sleep(2)

@@ -1,29 +1,23 @@
-"""One supervised service process: its plan, its state and what we have seen of it."""
+"""One supervised child (a service or the MPS control daemon): its plan, its state
+machine and what we have seen of it. The state changes only through `fire`."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from supervisor.lifecycle import SERVICE, Event, Rules, State, is_alive, next_state
 from supervisor.logs import Tail
 from supervisor.plan import ServicePlan
-
-
-class State(str, enum.Enum):
-    PENDING = "pending"      # not spawned yet
-    STARTING = "starting"    # spawned, /readyz not yet 200
-    READY = "ready"          # /readyz 200
-    NOT_READY = "not_ready"  # was ready, /readyz no longer 200 (still alive)
-    STOPPING = "stopping"    # SIGTERM sent, waiting for it to exit
-    EXITED = "exited"
 
 
 @dataclass
 class ChildProcess:
     plan: ServicePlan
+    rules: Rules = SERVICE
     state: State = State.PENDING
     pid: int | None = None
+    token: str = ""                     # ONECARD_INSTANCE_TOKEN of this spawn
     started_at: float | None = None
     ready_at: float | None = None
     exited_at: float | None = None
@@ -32,11 +26,11 @@ class ChildProcess:
     last_probe_error: str = ""
     output_open: bool = False
     killed: bool = False                # we had to SIGKILL it
+    listener_verified: bool = False     # its port's listener was seen in its process tree
     tail: Tail = field(default_factory=Tail)
     stats: dict[str, Any] = field(default_factory=dict)  # what the service reports on /stats
-    cpu_percent: float | None = None
-    cpu_seconds: float | None = None
-    rss_bytes: int | None = None
+    jobs: dict[str, Any] | None = None  # the service's /stats "jobs" section, passed through
+    history: list[tuple[State, Event, State]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -44,7 +38,18 @@ class ChildProcess:
 
     @property
     def alive(self) -> bool:
-        return self.pid is not None and self.state != State.EXITED
+        return self.pid is not None and is_alive(self.state)
+
+    @property
+    def probing(self) -> bool:
+        return self.state in (State.STARTING, State.READY, State.NOT_READY)
+
+    def fire(self, event: Event) -> State:
+        old = self.state
+        self.state = next_state(old, event)
+        if old != self.state:
+            self.history.append((old, event, self.state))
+        return self.state
 
     def uptime(self, now: float) -> float | None:
         if self.started_at is None:

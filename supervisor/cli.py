@@ -1,7 +1,10 @@
-"""The `onecard` command: run, check, status.
+"""The `onecard` command: run, check, status, stop.
 
-Heavy imports (pydantic, asyncio machinery) happen inside the commands that need
-them, so that `onecard status` stays fast enough to be an exec probe.
+Every command finds its config the same way (configpath.py): ``--config``, else
+``$ONECARD_CONFIG``, else the default that ships in the package; nothing depends on the
+current directory. Heavy imports (pydantic, asyncio machinery) happen inside the commands
+that need them, so that `onecard status` stays fast enough to be an exec probe; `run`
+hands over to a lean process once the config is valid (launch.py).
 """
 
 from __future__ import annotations
@@ -11,36 +14,53 @@ from typing import List, Optional
 
 import typer
 
+from supervisor.version import version
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Run several GPU inference services on one card as one unit.")
 
-CONFIG_HELP = "TOML config file (default: $ONECARD_CONFIG, else configs/default.toml)"
+CONFIG_HELP = ("TOML config file (default: $ONECARD_CONFIG, else the built-in default, a copy of "
+               "configs/default.toml)")
 SET_HELP = "Override a key, e.g. --set services.detect.port=9000 (repeatable; wins over ONECARD_* variables)"
+SOCKET_HELP = "control socket (default: $ONECARD_CONTROL_SOCKET, else the config's supervisor.control_socket)"
 
 
-def _config_path(config: Optional[str]) -> str:
-    return config or os.environ.get("ONECARD_CONFIG") or "configs/default.toml"
+def _version(value: bool) -> None:
+    if value:
+        import platform
+        typer.echo(f"onecard {version()} (Python {platform.python_version()})")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def main_options(
+    _version_flag: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit."),
+) -> None:
+    """Run several GPU inference services on one card as one unit."""
 
 
 def _load(config: Optional[str], sets: List[str]):
     from supervisor.config import ConfigError, load_config
+    from supervisor.configpath import resolve
     from supervisor.cpuquota import read_cpu_quota
     from supervisor.gpu import GpuFacts
     from supervisor.mps import MpsDaemon
     from supervisor.plan import build_plan
-    path = _config_path(config)
+    source = resolve(config)
     try:
-        gpu = GpuFacts(os.environ.get("CUDA_VISIBLE_DEVICES", "0") or "0")
-        cfg = load_config(path, sets, gpu_total_bytes=gpu.total_bytes())
+        # byte budgets are judged against the card the services get (gpu.visible_devices)
+        cfg = load_config(source.path, sets, gpu_total_bytes=lambda devices: GpuFacts(devices).total_bytes(),
+                          origin=source.origin if source.origin != "built-in default" else None)
         plan = build_plan(cfg, read_cpu_quota(), os.environ)
         if plan.mps_dir is not None:
             problem = MpsDaemon(plan.mps_dir).problem()
             if problem:
-                raise ConfigError(f"{path}: gpu.mps: {problem}")
+                raise ConfigError(f"{source.path}: gpu.mps: {problem}")
     except ConfigError as exc:
         typer.echo(f"onecard: configuration error\n{exc}", err=True)
         raise typer.Exit(ConfigError.exit_code)
-    return path, cfg, plan
+    return source.path, cfg, plan
 
 
 @app.command()
@@ -50,12 +70,16 @@ def run(
     log_format: Optional[str] = typer.Option(None, "--log-format", help="text or json"),
 ) -> None:
     """Start every service, watch them, and exit when any of them dies or hangs."""
-    import asyncio
-    from supervisor.unit import Supervisor
     sets = list(set_) + ([f'supervisor.log_format="{log_format}"'] if log_format else [])
     _path, cfg, plan = _load(config, sets)
-    code = asyncio.run(Supervisor(cfg, plan).run())
-    raise typer.Exit(code)
+    from supervisor.launch import exec_supervisor
+    exec_supervisor(cfg, plan)  # returns only where exec is not possible
+    import asyncio
+    from supervisor.logs import route_logging
+    from supervisor.unit import Supervisor
+    sup = Supervisor(cfg, plan)
+    route_logging(sup.log)
+    raise typer.Exit(asyncio.run(sup.run()))
 
 
 @app.command()
@@ -63,17 +87,24 @@ def check(
     config: Optional[str] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
 ) -> None:
-    """Validate the configuration and print what `run` would start, without starting it."""
+    """Validate the configuration and print what `run` would start, without starting it.
+    Secrets (keys, tokens, passwords, URL passwords) are shown as <redacted>."""
     import shlex
+    from supervisor.config import termination_grace_min
+    from supervisor.redact import redact_argv, redact_env
     path, cfg, plan = _load(config, list(set_))
     s = cfg.supervisor
     q = plan.quota
+    drains = sorted({sp.drain_s for sp in plan.services})
     out = [f"config  {path}: valid",
            f"supervisor  grace {s.grace_s:g} s, start-up timeout {s.startup_timeout_s:g} s, "
            f"liveness every {s.liveness_period_s:g} s ({s.liveness_failures} misses = dead)",
+           f"stop  service drain {'/'.join(f'{d:g}' for d in drains)} s < supervisor grace {s.grace_s:g} s "
+           f"< orchestrator: terminationGracePeriodSeconds (docker stop --time) at least "
+           f"{termination_grace_min(cfg):g} s",
            f"probes  http://{s.health_host}:{s.health_port}/healthz /readyz /metrics"
            if s.health_port else "probes  disabled (health_port = 0)",
-           f"control  {s.control_socket}",
+           f"control  {s.control_socket} (run directory {plan.run_dir})",
            f"gpu  CUDA_VISIBLE_DEVICES={cfg.gpu.visible_devices}, MPS "
            + (f"on (pipe and log under {plan.mps_dir})" if plan.mps_dir else "off"),
            "gpu  " + _gpu_line(cfg.gpu.visible_devices),
@@ -86,9 +117,11 @@ def check(
         out.append("")
         out.append(f"service {sp.name}  http://{sp.host}:{sp.port}  threads {sp.threads}  "
                    f"GPU memory budget {budget}")
-        out.append(f"  command  {shlex.join(sp.argv)}")
-        for k in sorted(sp.env_own):
-            out.append(f"  env  {k}={sp.env_own[k]}")
+        out.append(f"  command  {shlex.join(redact_argv(sp.argv))}")
+        env = redact_env(sp.env_own)
+        for k in sorted(env):
+            out.append(f"  env  {k}={env[k]}")
+        out.append("  env  ONECARD_INSTANCE_TOKEN=(new at each start)")
     for w in plan.warnings:
         out.append(f"warning: {w}")
     typer.echo("\n".join(out))
@@ -105,15 +138,29 @@ def _gpu_line(device: str) -> str:
 
 @app.command()
 def status(
-    socket: Optional[str] = typer.Option(None, "--socket", help="control socket (default: $ONECARD_CONTROL_SOCKET or the config's)"),
-    config: Optional[str] = typer.Option(None, "--config", "-c", help="read the socket path from this config"),
+    socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP),
+    config: Optional[str] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
     as_json: bool = typer.Option(False, "--json", help="the full status document (stable keys)"),
-    watch: bool = typer.Option(False, "--watch", "-w", help="refresh until Ctrl-C"),
+    watch: bool = typer.Option(False, "--watch", "-w", help="refresh until Ctrl-C (or --count)"),
     interval: float = typer.Option(1.0, "--interval", help="seconds between refreshes with --watch"),
+    count: int = typer.Option(0, "--count", help="with --watch: stop after this many refreshes (0: never)"),
 ) -> None:
     """Show what runs and how it is doing. Exit 0 all ready, 1 not, 2 no supervisor."""
     from supervisor import status as st
-    raise typer.Exit(st.main(socket, config, as_json, watch, interval))
+    raise typer.Exit(st.main(socket, config, as_json, watch, interval, count))
+
+
+@app.command()
+def stop(
+    socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP),
+    config: Optional[str] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="wait until the supervisor is gone"),
+    timeout: float = typer.Option(120.0, "--timeout", help="with --wait: give up after this many seconds"),
+) -> None:
+    """Stop the unit gracefully (as SIGTERM does). Exit 0 stopped (or asked with --no-wait),
+    1 still running after --timeout, 2 no supervisor."""
+    from supervisor import status as st
+    raise typer.Exit(st.stop(socket, config, wait, timeout))
 
 
 def main() -> None:

@@ -9,7 +9,9 @@ Environment variables name a key with ``__`` between its parts, for example
 ``ONECARD_SERVICES__DETECT__PORT=9000`` or ``ONECARD_SUPERVISOR__GRACE_S=5``. Only
 variables whose first part is a top-level section (``SUPERVISOR``, ``GPU``,
 ``SERVICES``) are overrides, so the variables the supervisor passes to its children
-(``ONECARD_SERVICE_NAME`` ...) never leak back in.
+(``ONECARD_SERVICE_NAME`` ...) never leak back in. Key parts are lower-cased (the schema's
+keys are), except a variable name under ``env``, which keeps its case:
+``ONECARD_SERVICES__DETECT__ENV__HF_HOME`` sets ``services.detect.env.HF_HOME``.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from supervisor.errors import ConfigError
+from supervisor.redact import REDACTED, is_secret_name
 from supervisor.status import DEFAULT_CONTROL_SOCKET
 
 ENV_PREFIX = "ONECARD_"
@@ -30,10 +34,15 @@ SERVICE_NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 APP_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
-class ConfigError(Exception):
-    """A configuration problem; the message names the file, the key and what was expected."""
+# AF_UNIX paths: 108 bytes with the terminating NUL.
+UNIX_PATH_MAX = 107
+# Seconds between a service's own drain timeout and the supervisor's SIGKILL, by default:
+# room for the service's shutdown (lifespan, freeing the GPU) after its drain ends.
+DRAIN_MARGIN_S = 2.0
+# What `onecard run` needs after the services are gone: MPS quit (when on), the last log lines.
+FLUSH_MARGIN_S = 3.0
 
-    exit_code = 2
+__all__ = ["ConfigError", "Config", "load_config"]
 
 
 class _Strict(BaseModel):
@@ -42,6 +51,8 @@ class _Strict(BaseModel):
 
 class SupervisorSettings(_Strict):
     grace_s: float = Field(10.0, gt=0, le=3600, description="SIGTERM to SIGKILL wait")
+    drain_s: float | None = Field(None, gt=0, le=3600, description="each service's own graceful drain "
+                                  "timeout, below grace_s (default: grace_s minus min(2 s, grace_s / 2))")
     startup_timeout_s: float = Field(300.0, gt=0, description="time for every service to become ready")
     readiness_period_s: float = Field(0.2, gt=0, le=60, description="/readyz poll period during start-up")
     liveness_period_s: float = Field(5.0, gt=0, le=3600, description="/healthz probe period once ready")
@@ -50,6 +61,12 @@ class SupervisorSettings(_Strict):
     health_host: str = Field("0.0.0.0", description="bind address of the probe port")
     health_port: int = Field(7860, ge=0, le=65535, description="probe port; 0 disables it")
     control_socket: str = Field(DEFAULT_CONTROL_SOCKET, description="unix socket for `onecard status`")
+    run_dir: str | None = Field(None, description="the supervisor's private directory (0700): probe "
+                                "sockets, MPS pipes (default: the control socket's path + '.d')")
+    sample_period_s: float = Field(5.0, gt=0, le=3600, description="CPU, memory and GPU sampling period "
+                                   "(in a worker thread)")
+    log_buffer_lines: int = Field(10000, ge=100, le=10_000_000, description="lines held for a slow stdout "
+                                  "before new ones are dropped (and counted)")
     log_format: Literal["text", "json"] = "text"
 
 
@@ -59,6 +76,8 @@ class GpuSettings(_Strict):
     mps_dir: str | None = Field(None, description="MPS pipe and log directories go here "
                                 "(default: beside the control socket)")
     mps_start_timeout_s: float = Field(10.0, gt=0, le=300, description="wait for the MPS daemon's control pipe")
+    mps_stop_timeout_s: float = Field(10.0, gt=0, le=300, description="wait for the MPS daemon to quit "
+                                      "before SIGKILL")
 
 
 class ServiceSettings(_Strict):
@@ -74,6 +93,8 @@ class ServiceSettings(_Strict):
     gpu_memory_bytes: int | None = Field(None, gt=0, description="GPU memory budget in bytes")
     mps_thread_percentage: int | None = Field(None, ge=1, le=100,
                                               description="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE under MPS")
+    drain_s: float | None = Field(None, gt=0, le=3600, description="this service's drain timeout "
+                                  "(default: supervisor.drain_s)")
 
     @field_validator("app")
     @classmethod
@@ -145,11 +166,19 @@ def _overrides_from_env(environ: Mapping[str, str]) -> list[tuple[str, str, str]
     for var, text in sorted(environ.items()):
         if not var.startswith(ENV_PREFIX):
             continue
-        parts = var[len(ENV_PREFIX):].lower().split("__")
-        if len(parts) < 2 or parts[0] not in SECTIONS or not all(parts):
+        parts = var[len(ENV_PREFIX):].split("__")
+        if len(parts) < 2 or parts[0].lower() not in SECTIONS or not all(parts):
             continue
-        found.append((".".join(parts), text, f"environment variable {var}"))
+        found.append((".".join(_key_case(parts)), text, f"environment variable {var}"))
     return found
+
+
+def _key_case(parts: list[str]) -> list[str]:
+    """Lower-case the schema's keys; a variable name under services.NAME.env keeps its case."""
+    out = [p.lower() for p in parts]
+    if len(parts) >= 4 and out[0] == "services" and out[2] == "env":
+        out[3:] = parts[3:]
+    return out
 
 
 def _overrides_from_set(items: list[str]) -> list[tuple[str, str, str]]:
@@ -170,30 +199,43 @@ def _describe(err: dict[str, Any]) -> str:
     if err["type"] == "missing":
         return "required key is missing"
     value = err.get("input")
+    if any(is_secret_name(str(p)) for p in err.get("loc", ())):
+        return f"{msg}, got {REDACTED}"
     if not isinstance(value, (dict, list)):
         msg = f"{msg}, got {value!r}"
     return msg
+
+
+GpuTotal = Callable[[str], "int | None"]
 
 
 def load_config(
     path: str | Path | None,
     sets: list[str] | None = None,
     environ: Mapping[str, str] | None = None,
-    gpu_total_bytes: int | None = None,
+    gpu_total_bytes: int | GpuTotal | None = None,
+    origin: str | None = None,
 ) -> Config:
-    """Read, merge and validate; every problem found is raised as one ConfigError."""
+    """Read, merge and validate; every problem found is raised as one ConfigError.
+
+    ``gpu_total_bytes`` may be a function of ``gpu.visible_devices`` so that byte budgets
+    are judged against the card the services will use. ``origin`` names what chose the
+    file (``--config``, ``ONECARD_CONFIG``) in the messages about the file itself."""
     environ = os.environ if environ is None else environ
     label = str(path) if path is not None else "<defaults>"
+    who = f"{origin}: {label}" if origin else label
     raw: dict[str, Any] = {}
     if path is not None:
         try:
             raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise ConfigError(f"{label}: no such file") from None
+            raise ConfigError(f"{who}: no such file") from None
+        except IsADirectoryError:
+            raise ConfigError(f"{who}: is a directory, expected a TOML file") from None
         except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{label}: cannot read: {exc}") from None
+            raise ConfigError(f"{who}: cannot read: {exc}") from None
         except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{label}: not valid TOML: {exc}") from None
+            raise ConfigError(f"{who}: not valid TOML: {exc}") from None
 
     origins: dict[str, str] = {}
     for key, text, origin in _overrides_from_env(environ) + _overrides_from_set(sets or []):
@@ -210,10 +252,41 @@ def load_config(
             lines.append(f"{where}: {key}: {_describe(err)}")
         raise ConfigError("\n".join(lines)) from None
 
-    problems = semantic_problems(config, gpu_total_bytes)
+    total = gpu_total_bytes(config.gpu.visible_devices) if callable(gpu_total_bytes) else gpu_total_bytes
+    problems = semantic_problems(config, total)
     if problems:
-        raise ConfigError("\n".join(f"{label}: {p}" for p in problems))
+        raise ConfigError("\n".join(f"{origins.get(p.split(':', 1)[0], label)}: {p}" for p in problems))
     return config
+
+
+def run_dir_of(config: Config) -> str:
+    """The supervisor's private directory: created 0700 by the supervisor, never a directory
+    it did not create (pointing control_socket at /run/onecard.sock leaves /run alone)."""
+    return config.supervisor.run_dir or config.supervisor.control_socket + ".d"
+
+
+def probe_socket_of(config: Config, name: str) -> str:
+    return os.path.join(run_dir_of(config), "probes", f"{name}.sock")
+
+
+def drain_of(config: Config, name: str | None = None) -> float:
+    """A service's own graceful drain timeout: strictly below grace_s, so that a drain that
+    runs out ends with the service exiting on its own, not with our SIGKILL."""
+    svc = config.services.get(name) if name else None
+    if svc is not None and svc.drain_s is not None:
+        return svc.drain_s
+    s = config.supervisor
+    if s.drain_s is not None:
+        return s.drain_s
+    return s.grace_s - min(DRAIN_MARGIN_S, s.grace_s / 2)
+
+
+def termination_grace_min(config: Config) -> float:
+    """The least the orchestrator must wait after SIGTERM before its SIGKILL (Kubernetes
+    terminationGracePeriodSeconds, docker stop --time): the services' grace, the MPS
+    daemon's quit, the last log lines."""
+    extra = config.gpu.mps_stop_timeout_s if config.gpu.mps else 0.0
+    return config.supervisor.grace_s + extra + FLUSH_MARGIN_S
 
 
 def budget_fractions(config: Config, total_bytes: int | None) -> dict[str, float | None]:
@@ -233,6 +306,23 @@ def budget_fractions(config: Config, total_bytes: int | None) -> dict[str, float
 def semantic_problems(config: Config, gpu_total_bytes: int | None = None) -> list[str]:
     """Rules across keys that pydantic's per-field checks cannot see."""
     problems = []
+    grace = config.supervisor.grace_s
+    if config.supervisor.drain_s is not None and config.supervisor.drain_s >= grace:
+        problems.append(f"supervisor.drain_s: {config.supervisor.drain_s:g} s must be below supervisor.grace_s "
+                        f"({grace:g} s): a service's drain ends before the supervisor's SIGKILL")
+    for name, svc in config.enabled_services().items():
+        if svc.drain_s is not None and svc.drain_s >= grace:
+            problems.append(f"services.{name}.drain_s: {svc.drain_s:g} s must be below supervisor.grace_s "
+                            f"({grace:g} s)")
+        if svc.app is not None:
+            sock = probe_socket_of(config, name)
+            if len(sock.encode()) > UNIX_PATH_MAX:
+                problems.append(f"supervisor.run_dir: the probe socket {sock} is {len(sock.encode())} bytes, "
+                                f"over the {UNIX_PATH_MAX} a unix socket path may have; set a shorter "
+                                f"supervisor.run_dir or control_socket")
+    if len(config.supervisor.control_socket.encode()) > UNIX_PATH_MAX:
+        problems.append(f"supervisor.control_socket: {len(config.supervisor.control_socket.encode())} bytes, "
+                        f"over the {UNIX_PATH_MAX} a unix socket path may have")
     shares = budget_fractions(config, gpu_total_bytes)
     total_share = sum(v for v in shares.values() if v is not None)
     if total_share > 1.0 + 1e-9:

@@ -1,38 +1,84 @@
-"""The two ways in: a local-only control socket (full status) and the probe port.
+"""The two ways in: a local-only control socket (status, stop) and the probe port.
 
-The control socket lives in a 0700 directory and is itself 0600, so only the user the
-supervisor runs as can read the full status. The probe port answers /healthz, /readyz
-and /metrics and nothing else: it is what an orchestrator reaches over the network.
+Nothing here changes what the supervisor did not create: a missing directory is made
+0700, an existing one is used as it is (pointing control_socket at /run/onecard.sock
+leaves /run alone). The socket itself is 0600, which is what keeps other users out (a
+unix socket needs write permission to connect). Everything else private (probe sockets,
+MPS pipes) goes into the supervisor's own run directory, created 0700 by it.
+
+The probe port answers /healthz, /readyz and /metrics and nothing else: it is what an
+orchestrator reaches over the network. It serves a bounded number of connections at once;
+beyond that a connection is closed at once, counted, and logged (tagged, rate-limited).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import socket
 import stat
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 MAX_REQUEST = 8 * 1024
 REQUEST_TIMEOUT_S = 5.0
+MAX_PROBE_CLIENTS = 64
+MAX_CONTROL_CLIENTS = 16
 
 
 class ControlError(Exception):
-    pass
+    """The control socket or run directory cannot be used (exit 1)."""
+
+
+class PortTaken(ControlError):
+    """The probe port is held by another process (exit 78)."""
+
+
+def _mkdirs_private(path: Path) -> bool:
+    """Create path and any missing parent, each 0700 (only what we create); False if it existed."""
+    if path.exists():
+        return False
+    if not path.parent.exists():
+        _mkdirs_private(path.parent)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        return False
+    return True
+
+
+def _private_dir(path: Path, what: str) -> None:
+    """Create path 0700 if missing; if it exists it must already be ours and private."""
+    if _mkdirs_private(path):
+        return
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise ControlError(f"{path}: exists and is not a directory ({what})")
+    if st.st_uid != os.getuid():
+        raise ControlError(f"{path}: owned by uid {st.st_uid}, not by us ({what}); remove it or choose another path")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise ControlError(f"{path}: mode {stat.S_IMODE(st.st_mode):04o}, expected a private 0700 directory "
+                           f"({what}); remove it or choose another path")
+
+
+def prepare_run_dir(path: str) -> None:
+    _private_dir(Path(path), "the supervisor's run directory")
+    for sub in ("probes",):
+        _private_dir(Path(path) / sub, "probe sockets")
 
 
 def prepare_socket_path(path: str) -> None:
-    """A private directory, and no stale socket from a supervisor that died."""
+    """The socket's directory exists (made 0700 if we make it), and no stale socket from
+    a supervisor that died is in the way."""
     p = Path(path)
     d = p.parent
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _mkdirs_private(d)
     st = d.stat()
-    if st.st_uid != os.getuid():
-        raise ControlError(f"{d}: owned by uid {st.st_uid}, not by us; refusing to use it")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(d, 0o700)
+    if stat.S_IMODE(st.st_mode) & 0o002 and not st.st_mode & stat.S_ISVTX:
+        raise ControlError(f"{d}: writable by every user and not sticky: another user could replace the "
+                           f"control socket; choose another supervisor.control_socket")
     if p.exists() or p.is_symlink():
         if not stat.S_ISSOCK(p.lstat().st_mode):
             raise ControlError(f"{p}: exists and is not a socket")
@@ -54,64 +100,125 @@ class _Server:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-            await self._server.wait_closed()
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+            except asyncio.TimeoutError:
+                pass
+            self._server = None
+
+
+ControlHandler = Callable[[str], Awaitable[dict[str, Any]]]
 
 
 class ControlServer(_Server):
-    """Unix socket: a client sends one line (``status``), gets one JSON document back."""
+    """Unix socket: a client sends one line (``status`` or ``stop``), gets one JSON document."""
 
-    def __init__(self, path: str, snapshot: Callable[[], dict[str, Any]]):
+    COMMANDS = ("status", "stop")
+
+    def __init__(self, path: str, handle: ControlHandler):
         self.path = path
-        self.snapshot = snapshot
+        self.handle = handle
+        self.identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket we bound
+        self._clients = 0
 
     async def start(self) -> None:
         prepare_socket_path(self.path)
         old = os.umask(0o177)
         try:
-            self._server = await asyncio.start_unix_server(self._handle, path=self.path)
+            self._server = await asyncio.start_unix_server(self._handle, path=self.path, limit=MAX_REQUEST)
         finally:
             os.umask(old)
         os.chmod(self.path, 0o600)
+        st = os.stat(self.path)
+        self.identity = (st.st_dev, st.st_ino)
+
+    def missing(self) -> bool:
+        """True when our socket file is gone (called in the sampler thread: a stat, never
+        on the loop). A socket someone else put there is left alone."""
+        try:
+            os.stat(self.path)
+        except FileNotFoundError:
+            return self.identity is not None
+        except OSError:
+            return False
+        return False
+
+    def present_elsewhere(self) -> bool:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) != self.identity
+
+    async def recreate(self) -> None:
+        """Bind the socket again at its path (after someone deleted it)."""
+        await _Server.close(self)
+        await self.start()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._clients >= MAX_CONTROL_CLIENTS:
+            writer.close()
+            return
+        self._clients += 1
         try:
             line = await asyncio.wait_for(reader.readline(), REQUEST_TIMEOUT_S)
             cmd = line.decode("ascii", "replace").strip()
-            if cmd == "status":
-                body = self.snapshot()
+            if cmd in self.COMMANDS:
+                body = await self.handle(cmd)
             else:
-                body = {"error": f"unknown command {cmd[:40]!r}; expected 'status'"}
+                body = {"error": f"unknown command {cmd[:40]!r}; expected one of {', '.join(self.COMMANDS)}"}
             writer.write(json.dumps(body).encode() + b"\n")
-            await writer.drain()
+            await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT_S)
         except (asyncio.TimeoutError, ConnectionError, asyncio.LimitOverrunError, ValueError):
             pass
         finally:
+            self._clients -= 1
             writer.close()
 
     async def close(self) -> None:
         if self._server is not None:
             await super().close()
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
+            if not self.present_elsewhere():
+                try:
+                    os.unlink(self.path)
+                except OSError:
+                    pass
+
+
+Route = Callable[[], tuple[int, str, str]]
 
 
 class HealthServer(_Server):
     """A tiny HTTP/1.1 server for orchestrator probes. ``routes`` maps a path to a
     function returning (status, content type, body)."""
 
-    def __init__(self, host: str, port: int, routes: dict[str, Callable[[], tuple[int, str, str]]]):
+    def __init__(self, host: str, port: int, routes: dict[str, Route],
+                 on_refused: Callable[[int], None] = lambda n: None, max_clients: int = MAX_PROBE_CLIENTS):
         self.host, self.port, self.routes = host, port, routes
+        self.max_clients = max_clients
+        self.on_refused = on_refused
+        self.refused = 0
+        self._clients = 0
 
     async def start(self) -> None:
         try:
             self._server = await asyncio.start_server(self._handle, self.host, self.port,
-                                                      reuse_address=True, limit=MAX_REQUEST)
+                                                      reuse_address=True, limit=MAX_REQUEST, backlog=128)
         except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                from supervisor.ports import port_holder
+                holder = await asyncio.to_thread(port_holder, self.port)
+                raise PortTaken(f"supervisor.health_port: port {self.port} on {self.host} is taken"
+                                + (f" by {holder}" if holder else "")) from None
             raise ControlError(f"cannot listen on {self.host}:{self.port} for probes: {exc}") from None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._clients >= self.max_clients:
+            self.refused += 1
+            self.on_refused(self.refused)
+            writer.transport.abort()
+            return
+        self._clients += 1
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
             method, _, rest = head.split(b"\r\n", 1)[0].decode("latin-1").partition(" ")
@@ -129,9 +236,10 @@ class HealthServer(_Server):
                 f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\n"
                 f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
                 + (b"" if method == "HEAD" else data))
-            await writer.drain()
+            await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT_S)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-                ConnectionError, ValueError):
+                ConnectionError, ValueError, OSError):
             pass
         finally:
+            self._clients -= 1
             writer.close()

@@ -1,19 +1,25 @@
-"""The NVIDIA MPS control daemon's lifecycle, with private pipe and log directories.
+"""The NVIDIA MPS control daemon: a supervised child with its own rules.
 
-Started before any service, so that every service's CUDA context goes through it;
-stopped (`quit` on its control pipe) after the last service is gone, on every exit
-path. A daemon left by an earlier crash still holds the pipe directory: it is told to
-quit first, and its leftovers are removed.
+`nvidia-cuda-mps-control -d` detaches: the daemon it leaves behind re-parents to the
+supervisor (a child subreaper, or PID 1), which adopts it as the `mps` child: its death
+while the unit runs stops the unit with exit 6, its exit is reaped, and after the last
+service is gone it is told `quit` (SIGKILL after `mps_stop_timeout_s`). The control
+client calls (`-d`, `quit`) are one-shot children of the supervisor, reaped like the
+others, never a subprocess waited on elsewhere. A daemon that is already dead costs no
+wait: its stale control socket is removed, nobody talks to it.
+
+Everything here that touches the filesystem or the process table is synchronous and is
+called in a worker thread by the driver.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
+import socket
+import stat
 import time
 from pathlib import Path
-from typing import Callable
 
 BINARY = "nvidia-cuda-mps-control"
 
@@ -23,16 +29,12 @@ class MpsError(Exception):
 
 
 class MpsDaemon:
-    def __init__(self, base_dir: str, start_timeout_s: float = 10.0,
-                 run: Callable[..., subprocess.CompletedProcess] = subprocess.run,
-                 log: Callable[[str], None] = lambda msg: None):
+    def __init__(self, base_dir: str, start_timeout_s: float = 10.0, stop_timeout_s: float = 10.0):
         self.base = Path(base_dir)
         self.pipe_dir = self.base / "pipe"
         self.log_dir = self.base / "log"
         self.start_timeout_s = start_timeout_s
-        self._run = run
-        self._log = log
-        self.started = False
+        self.stop_timeout_s = stop_timeout_s
 
     @staticmethod
     def binary() -> str | None:
@@ -47,65 +49,86 @@ class MpsDaemon:
     def env(self) -> dict[str, str]:
         return {"CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir), "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir)}
 
-    def _call(self, args: list[str], stdin: str | None = None, timeout: float = 10.0) -> subprocess.CompletedProcess:
+    def argv(self, *args: str) -> list[str]:
         exe = self.binary()
         if exe is None:
             raise MpsError(self.problem())
-        try:
-            return self._run([exe, *args], input=stdin, capture_output=True, text=True, timeout=timeout,
-                             env={**os.environ, **self.env()})
-        except subprocess.TimeoutExpired:
-            raise MpsError(f"{BINARY} {' '.join(args)} did not return within {timeout:g} s") from None
+        return [exe, *args]
 
-    def _control_pipe(self) -> Path:
+    @property
+    def control(self) -> Path:
         return self.pipe_dir / "control"
 
-    def start(self) -> None:
-        problem = self.problem()
-        if problem:
-            raise MpsError(problem)
-        for d in (self.pipe_dir, self.log_dir):
+    def prepare(self) -> None:
+        for d in (self.base, self.pipe_dir, self.log_dir):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if self._control_pipe().exists():
-            self._log(f"MPS: a daemon from an earlier run holds {self.pipe_dir}; asking it to quit")
-            try:
-                self._call([], stdin="quit\n", timeout=5)
-            except MpsError as exc:
-                self._log(f"MPS: the old daemon did not answer ({exc}); removing its files")
-            self._wait_gone(5.0)
-            for leftover in self.pipe_dir.iterdir():
-                leftover.unlink(missing_ok=True)
-        result = self._call(["-d"])
-        if result.returncode != 0:
-            raise MpsError(f"{BINARY} -d failed with code {result.returncode}: "
-                           f"{(result.stderr or result.stdout).strip()[:500]}")
-        deadline = time.monotonic() + self.start_timeout_s
-        while not self._control_pipe().exists():
-            if time.monotonic() > deadline:
-                raise MpsError(f"MPS daemon did not create {self._control_pipe()} within "
-                               f"{self.start_timeout_s:g} s; see {self.log_dir}/control.log")
-            time.sleep(0.05)
-        self.started = True
-        self._log(f"MPS: control daemon started (pipe {self.pipe_dir}, log {self.log_dir})")
 
-    def _wait_gone(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while self._control_pipe().exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return not self._control_pipe().exists()
-
-    def stop(self) -> None:
-        if not self.started:
-            return
-        self.started = False
+    def control_state(self) -> str:
+        """'absent', 'live' (a daemon accepts on it) or 'stale' (left by a dead one)."""
         try:
-            result = self._call([], stdin="quit\n", timeout=10)
-            if result.returncode != 0:
-                self._log(f"MPS: quit answered code {result.returncode}: {result.stderr.strip()[:300]}")
-        except MpsError as exc:
-            self._log(f"MPS: quit failed: {exc}")
-            return
-        if self._wait_gone(5.0):
-            self._log("MPS: control daemon stopped")
-        else:
-            self._log(f"MPS: {self._control_pipe()} still exists after quit")
+            st = self.control.lstat()
+        except FileNotFoundError:
+            return "absent"
+        if not stat.S_ISSOCK(st.st_mode):
+            return "stale"
+        for kind in (socket.SOCK_SEQPACKET, socket.SOCK_STREAM):
+            s = socket.socket(socket.AF_UNIX, kind)
+            s.settimeout(0.5)
+            try:
+                s.connect(str(self.control))
+                return "live"
+            except ConnectionRefusedError:
+                return "stale"
+            except OSError:
+                continue  # wrong socket type: try the other one
+            finally:
+                s.close()
+        return "stale"
+
+    def remove_leftovers(self) -> None:
+        if self.pipe_dir.is_dir():
+            for leftover in self.pipe_dir.iterdir():
+                try:
+                    leftover.unlink()
+                except (IsADirectoryError, OSError):
+                    pass
+
+    def wait_gone(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.control_state() == "live" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.control_state() != "live"
+
+    def find_daemon(self, me: int, exclude: set[int]) -> int | None:
+        """The detached daemon, once it has been re-parented to us (so that we reap it)."""
+        import psutil
+        try:
+            kids = psutil.Process(me).children()
+        except psutil.Error:
+            return None
+        for p in kids:
+            if p.pid in exclude:
+                continue
+            try:
+                cmd = p.cmdline()
+                if p.status() == psutil.STATUS_ZOMBIE or not cmd:
+                    continue
+            except psutil.Error:
+                continue
+            if any(os.path.basename(part) == BINARY for part in cmd[:2]):
+                return p.pid
+        return None
+
+    def wait_daemon(self, me: int, exclude: set[int], timeout: float) -> tuple[int | None, bool]:
+        """(daemon pid or None, control socket up) within timeout."""
+        deadline = time.monotonic() + timeout
+        pid = None
+        while True:
+            if pid is None:
+                pid = self.find_daemon(me, exclude)
+            up = self.control_state() == "live"
+            if pid is not None and up:
+                return pid, True
+            if time.monotonic() > deadline:
+                return pid, up
+            time.sleep(0.05)

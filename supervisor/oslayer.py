@@ -1,8 +1,8 @@
 """Every system call the supervisor makes, behind one thin class that tests can replace.
 
-The policy in `unit.py` never touches `os` for processes or signals directly; a fake
-with the same methods replays scripted histories in unit tests, and this real one is
-exercised by the integration tests with real processes and real signals.
+The policy never touches `os` for processes or signals directly; a fake with the same
+methods replays scripted histories in unit tests, and this real one is exercised by the
+integration tests with real processes and real signals. Time is the clock's (clock.py).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import ctypes
 import errno
 import os
 import signal
+import resource
 import subprocess
-import time
 from dataclasses import dataclass
 
 PR_SET_PDEATHSIG = 1
@@ -41,9 +41,6 @@ def exit_code_of(status: int) -> int:
 
 
 class OsLayer:
-    def monotonic(self) -> float:
-        return time.monotonic()
-
     def getpid(self) -> int:
         return os.getpid()
 
@@ -53,12 +50,28 @@ class OsLayer:
             return False
         return _prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
-    def spawn(self, argv: list[str], env: dict[str, str]) -> Spawned:
+    def raise_open_files_limit(self) -> None:
+        """Soft RLIMIT_NOFILE up to the hard limit: a flood on the probe port meets our own
+        connection limit first, not EMFILE."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+        if soft < target:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            except (ValueError, OSError):
+                pass
+
+    def spawn(self, argv: list[str], env: dict[str, str], stdin_data: bytes | None = None) -> Spawned:
         """A fresh program (exec, never a bare fork) in its own process group.
 
         The child gets SIGKILL when the supervisor dies, however it dies, so that a
-        SIGKILLed supervisor leaves nothing behind.
+        SIGKILLed supervisor leaves nothing behind. `stdin_data` (small: one pipe buffer)
+        is what it reads on stdin, else /dev/null.
         """
+        stdin: int = subprocess.DEVNULL
+        in_write = None
+        if stdin_data is not None:
+            stdin, in_write = os.pipe()
         read_fd, write_fd = os.pipe()
         parent = os.getpid()
 
@@ -72,14 +85,24 @@ class OsLayer:
 
         try:
             proc = subprocess.Popen(
-                argv, env=env, stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd,
+                argv, env=env, stdin=stdin, stdout=write_fd, stderr=write_fd,
                 process_group=0, preexec_fn=_in_child, close_fds=True,
             )
         except BaseException:
             os.close(read_fd)
+            if in_write is not None:
+                os.close(in_write)
             raise
         finally:
             os.close(write_fd)
+            if in_write is not None:
+                os.close(stdin)
+        if in_write is not None:
+            try:
+                os.write(in_write, stdin_data)
+            except OSError:
+                pass
+            os.close(in_write)
         # We reap with waitpid(-1) ourselves; keep Popen from ever polling this pid.
         proc.returncode = 0
         os.set_blocking(read_fd, False)
@@ -93,6 +116,13 @@ class OsLayer:
         except ProcessLookupError:
             return False
         except PermissionError:
+            return False
+
+    def kill(self, pid: int, sig: int) -> bool:
+        try:
+            os.kill(pid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
             return False
 
     def reap(self) -> list[tuple[int, int]]:

@@ -1,7 +1,9 @@
 """From a validated Config to what will be started: command lines, environments, threads.
 
 Pure: the same config, quota and base environment give the same plan, so `onecard
-check` prints exactly what `onecard run` would start.
+check` prints exactly what `onecard run` would start. What changes at each start (the
+instance token) is added at spawn. The dataclasses here are light (no pydantic): the
+long-running supervisor process receives the plan as JSON (see launch.py).
 """
 
 from __future__ import annotations
@@ -9,11 +11,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass, field
-from typing import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
 
-from supervisor.config import Config, ConfigError
 from supervisor.cpuquota import CpuQuota
+from supervisor.errors import ConfigError
+
+if TYPE_CHECKING:
+    from supervisor.config import Config
 
 # Variables that size thread pools in numpy/torch/onnxruntime/OpenCV builds.
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -30,6 +35,8 @@ class ServicePlan:
     env: dict[str, str]       # the child's full environment
     env_own: dict[str, str]   # the part the supervisor set (shown by `check`)
     threads: int
+    drain_s: float = 8.0      # the service's own drain timeout (ONECARD_DRAIN_S)
+    probe_socket: str | None = None  # unix socket our runtime answers probes on (app services)
 
 
 @dataclass(frozen=True)
@@ -38,15 +45,25 @@ class Plan:
     quota: CpuQuota
     warnings: list[str] = field(default_factory=list)
     mps_dir: str | None = None   # set when [gpu] mps = true
+    run_dir: str = ""            # the supervisor's private directory
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> "Plan":
+        return cls([ServicePlan(**s) for s in doc["services"]], CpuQuota(**doc["quota"]),
+                   list(doc["warnings"]), doc["mps_dir"], doc["run_dir"])
 
 
-def mps_dir_of(config: Config) -> str | None:
+def mps_dir_of(config: "Config") -> str | None:
+    from supervisor.config import run_dir_of
     if not config.gpu.mps:
         return None
-    return config.gpu.mps_dir or os.path.join(os.path.dirname(config.supervisor.control_socket), "mps")
+    return config.gpu.mps_dir or os.path.join(run_dir_of(config), "mps")
 
 
-def plan_threads(config: Config, quota: CpuQuota) -> tuple[dict[str, int], list[str]]:
+def plan_threads(config: "Config", quota: CpuQuota) -> tuple[dict[str, int], list[str]]:
     """Threads per service from the quota; impossible plans are errors, tight ones warnings."""
     services = config.enabled_services()
     budget = quota.whole_cpus
@@ -71,7 +88,8 @@ def plan_threads(config: Config, quota: CpuQuota) -> tuple[dict[str, int], list[
     return {n: threads[n] for n in services}, warnings
 
 
-def build_plan(config: Config, quota: CpuQuota, base_env: Mapping[str, str]) -> Plan:
+def build_plan(config: "Config", quota: CpuQuota, base_env: Mapping[str, str]) -> Plan:
+    from supervisor.config import drain_of, probe_socket_of, run_dir_of
     threads, warnings = plan_threads(config, quota)
     mps_dir = mps_dir_of(config)
     plans = []
@@ -87,12 +105,16 @@ def build_plan(config: Config, quota: CpuQuota, base_env: Mapping[str, str]) -> 
             "ONECARD_SERVICE_THREADS": str(threads[name]),
             "ONECARD_SERVICE_CONFIG": json.dumps(svc.settings, sort_keys=True),
             "ONECARD_GRACE_S": f"{config.supervisor.grace_s:g}",
+            "ONECARD_DRAIN_S": f"{drain_of(config, name):g}",
             "CUDA_VISIBLE_DEVICES": config.gpu.visible_devices,
             "PYTHONUNBUFFERED": "1",
             **{var: str(threads[name]) for var in THREAD_VARS},
         }
+        probe_socket = None
         if svc.app is not None:
             own["ONECARD_SERVICE_APP"] = svc.app
+            probe_socket = probe_socket_of(config, name)
+            own["ONECARD_PROBE_SOCKET"] = probe_socket
         if svc.gpu_memory_fraction is not None:
             own["ONECARD_GPU_MEMORY_FRACTION"] = f"{svc.gpu_memory_fraction:g}"
         if svc.gpu_memory_bytes is not None:
@@ -105,5 +127,6 @@ def build_plan(config: Config, quota: CpuQuota, base_env: Mapping[str, str]) -> 
         own.update(svc.env)
         env = {k: v for k, v in base_env.items() if not k.startswith(_DROP_PREFIXES)}
         env.update(own)
-        plans.append(ServicePlan(name, svc.host, svc.port, argv, env, own, threads[name]))
-    return Plan(plans, quota, warnings, mps_dir)
+        plans.append(ServicePlan(name, svc.host, svc.port, argv, env, own, threads[name],
+                                 drain_of(config, name), probe_socket))
+    return Plan(plans, quota, warnings, mps_dir, run_dir_of(config))

@@ -1,48 +1,88 @@
-"""A minimal asyncio HTTP GET for probing children: no client library, bounded in time and size."""
+"""Probing a child: a minimal asyncio HTTP GET over its unix probe socket or TCP port, and
+the check that the answer comes from that child and not from whatever holds its port.
+
+Identity, in order (documented in the README):
+1. the answer names an instance (``X-Onecard-Instance`` header or ``"instance"`` in the
+   JSON body): it must be the token this spawn got in ``ONECARD_INSTANCE_TOKEN``;
+2. else a ``"pid"`` in the JSON body must be a process of the child's tree;
+3. else (a ``command`` service that knows nothing of onecard) the port's listening socket
+   must belong to a process of the child's tree (psutil, in a worker thread, once per
+   spawn); an answer on the unix probe socket, which lives in the supervisor's private
+   0700 directory, needs no more.
+An answer that fails the check counts as no answer: not ready, and a liveness miss.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import hmac
+import json
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+if TYPE_CHECKING:
+    from supervisor.child import ChildProcess
 
 MAX_BODY = 256 * 1024
+STATS_MAX_BODY = 64 * 1024
+INSTANCE_HEADER = "x-onecard-instance"
+
+
+@dataclass(frozen=True)
+class ProbeTarget:
+    host: str
+    port: int
+    unix: str | None = None   # the runtime's probe socket, tried first
+
+    def describe(self) -> str:
+        return f"{self.host}:{self.port}"
 
 
 @dataclass(frozen=True)
 class ProbeResult:
-    status: int | None      # None: no HTTP answer (refused, timed out, garbled)
+    status: int | None      # None: no HTTP answer (refused, timed out, garbled, not ours)
     body: bytes = b""
     error: str = ""
+    instance: str | None = None
+    via: str = ""           # "unix" or "tcp"
+    foreign: bool = False   # answered, but not by our child
 
     @property
     def ok(self) -> bool:
         return self.status == 200
 
+    def doc(self) -> dict:
+        try:
+            doc = json.loads(self.body)
+        except ValueError:
+            return {}
+        return doc if isinstance(doc, dict) else {}
 
-async def _get(host: str, port: int, path: str) -> ProbeResult:
-    reader, writer = await asyncio.open_connection(host, port)
+
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str, path: str,
+                    max_body: int, via: str) -> ProbeResult:
     try:
-        writer.write(
-            f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUser-Agent: onecard-probe\r\n"
-            "Connection: close\r\n\r\n".encode("ascii")
-        )
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: onecard-probe\r\n"
+                     "Connection: close\r\n\r\n".encode("ascii"))
         await writer.drain()
         head = await reader.readuntil(b"\r\n\r\n")
         status_line, _, header_block = head.decode("latin-1").partition("\r\n")
         parts = status_line.split(" ", 2)
         if len(parts) < 2 or not parts[0].startswith("HTTP/"):
-            return ProbeResult(None, error=f"bad status line {status_line[:80]!r}")
+            return ProbeResult(None, error=f"bad status line {status_line[:80]!r}", via=via)
         status = int(parts[1])
-        length = None
+        length, instance = None, None
         for line in header_block.split("\r\n"):
             name, _, value = line.partition(":")
-            if name.strip().lower() == "content-length":
+            name = name.strip().lower()
+            if name == "content-length":
                 length = int(value.strip())
-        if length is not None:
-            body = await reader.readexactly(min(length, MAX_BODY))
-        else:
-            body = await reader.read(MAX_BODY)
-        return ProbeResult(status, body)
+            elif name == INSTANCE_HEADER:
+                instance = value.strip()
+        if length is not None and length > max_body:
+            return ProbeResult(None, error=f"{path} answered {length} bytes, over the {max_body} read", via=via)
+        body = await (reader.readexactly(length) if length is not None else reader.read(max_body))
+        return ProbeResult(status, body, instance=instance, via=via)
     finally:
         writer.close()
         try:
@@ -51,10 +91,95 @@ async def _get(host: str, port: int, path: str) -> ProbeResult:
             pass
 
 
-async def http_get(host: str, port: int, path: str, timeout: float) -> ProbeResult:
+async def _get(target: ProbeTarget, path: str, max_body: int) -> ProbeResult:
+    if target.unix:
+        try:
+            reader, writer = await asyncio.open_unix_connection(target.unix, limit=max_body + 16384)
+        except (FileNotFoundError, ConnectionRefusedError):
+            pass  # not listening (yet): a service that does not serve the probe socket answers on TCP
+        else:
+            return await _exchange(reader, writer, "localhost", path, max_body, "unix")
+    reader, writer = await asyncio.open_connection(target.host, target.port, limit=max_body + 16384)
+    return await _exchange(reader, writer, f"{target.host}:{target.port}", path, max_body, "tcp")
+
+
+async def http_get(target: ProbeTarget, path: str, timeout: float, max_body: int = MAX_BODY) -> ProbeResult:
     try:
-        return await asyncio.wait_for(_get(host, port, path), timeout)
+        return await asyncio.wait_for(_get(target, path, max_body), timeout)
     except asyncio.TimeoutError:
         return ProbeResult(None, error=f"no answer within {timeout:g} s")
     except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
         return ProbeResult(None, error=f"{type(exc).__name__}: {exc}")
+
+
+Prober = Callable[[ProbeTarget, str, float, int], Awaitable[ProbeResult]]
+
+
+def target_of(child: "ChildProcess") -> ProbeTarget:
+    return ProbeTarget(child.plan.host, child.plan.port, child.plan.probe_socket)
+
+
+class ChildProber:
+    """Probes a child and keeps only the answers that are its own. The process-table
+    lookups run in worker threads (`tree_pids`, `listener_pids` are injectable)."""
+
+    def __init__(self, prober: Prober = http_get,
+                 tree_pids: Callable[[int], set[int]] | None = None,
+                 listener_pids: Callable[[int, set[int]], set[int]] | None = None):
+        self.prober = prober
+        self.tree_pids = tree_pids or _tree_pids
+        self.listener_pids = listener_pids or _listener_pids
+
+    async def get(self, child: "ChildProcess", path: str, timeout: float) -> ProbeResult:
+        max_body = STATS_MAX_BODY if path == "/stats" else MAX_BODY
+        target = target_of(child)
+        r = await self.prober(target, path, timeout, max_body)
+        if r.status is None:
+            return r
+        why = await self._not_ours(child, r)
+        if why is None:
+            return r
+        return replace(r, status=None, foreign=True,
+                       error=f"{path} on {target.describe()} was answered by another process, not {child.name} "
+                             f"(pid {child.pid}): {why}")
+
+    async def _not_ours(self, child: "ChildProcess", r: ProbeResult) -> str | None:
+        doc = r.doc()
+        claimed = r.instance if r.instance is not None else doc.get("instance")
+        if claimed is not None:
+            if child.token and hmac.compare_digest(str(claimed).encode(), child.token.encode()):
+                return None
+            return "its instance token is not the one this service was started with"
+        if child.pid is None:
+            return "the service is not running"
+        pid = doc.get("pid")
+        if isinstance(pid, int) and not isinstance(pid, bool):
+            pids = await asyncio.to_thread(self.tree_pids, child.pid)
+            return None if pid in pids else f"it says pid {pid}, which is not in the service's process tree"
+        if r.via == "unix" or child.listener_verified:
+            return None
+        pids = await asyncio.to_thread(self.tree_pids, child.pid)
+        holders = await asyncio.to_thread(self.listener_pids, child.plan.port, pids)
+        if holders:
+            child.listener_verified = True
+            return None
+        return f"no process of the service's tree listens on port {child.plan.port}"
+
+
+def _tree_pids(pid: int) -> set[int]:
+    from supervisor.sampler import tree_pids
+    return tree_pids(pid)
+
+
+def _listener_pids(port: int, pids: set[int]) -> set[int]:
+    """Which of `pids` has a listening TCP socket on `port`."""
+    import psutil
+    out = set()
+    for pid in pids:
+        try:
+            conns = psutil.Process(pid).net_connections(kind="inet")
+        except (psutil.Error, AttributeError):
+            continue
+        if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns):
+            out.add(pid)
+    return out

@@ -1,95 +1,62 @@
 """What the supervisor tells: the status document (`onecard status --json`) and /metrics.
 
-The status document's keys are stable (version 1) and documented in the README.
+Built on the loop from plain data (a `UnitView`) and the sampler's last sample: nothing
+here walks /proc or calls NVML. The status document's keys are stable (version 1; keys
+are only ever added) and documented in the README.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import time
-from typing import TYPE_CHECKING, Any
+import platform
+from dataclasses import dataclass
+from typing import Any
 
-import psutil
-
-from supervisor.child import ChildProcess, State
+from supervisor.child import ChildProcess
+from supervisor.cpuquota import CpuQuota
+from supervisor.lifecycle import State, Unit
 from supervisor.probe import ProbeResult
-
-if TYPE_CHECKING:
-    from supervisor.unit import Supervisor
+from supervisor.sampler import Sample
+from supervisor.version import version
 
 STATUS_VERSION = 1
-# Figures a service may report on GET /stats; anything else it sends is ignored.
+# Figures a service may report on GET /stats; anything else it sends is ignored, except a
+# "jobs" object, which is passed through as it is (size-capped by the probe).
 STAT_KEYS = ("queue_depth", "in_flight", "served", "errors", "latency_p50_ms", "latency_p99_ms",
              "gpu_memory_bytes")
-
-_cpu_marks: dict[int, tuple[float, float]] = {}
-
-
-def _tree(pid: int) -> list[psutil.Process] | None:
-    """A process and everything below it, or None when it is gone."""
-    try:
-        root = psutil.Process(pid)
-        return [root] + root.children(recursive=True)
-    except psutil.Error:
-        return None
+JOBS_MAX_BYTES = 16 * 1024
 
 
-def _tree_times(pid: int) -> tuple[float, int] | None:
-    """CPU seconds and RSS of a process and everything below it."""
-    procs = _tree(pid)
-    if procs is None:
-        return None
-    cpu, rss = 0.0, 0
-    for p in procs:
-        try:
-            with p.oneshot():
-                t = p.cpu_times()
-                cpu += t.user + t.system
-                rss += p.memory_info().rss
-        except psutil.Error:
-            continue
-    return cpu, rss
-
-
-def _cpu_percent(pid: int, cpu_seconds: float) -> float | None:
-    """CPU % of one core since the previous sample of this pid."""
-    now = time.monotonic()
-    prev = _cpu_marks.get(pid)
-    _cpu_marks[pid] = (now, cpu_seconds)
-    if prev is None or now - prev[0] < 0.05:
-        return None
-    return round(100.0 * (cpu_seconds - prev[1]) / (now - prev[0]), 1)
-
-
-def sample_resources(child: ChildProcess) -> None:
-    if not child.alive or child.pid is None:
-        return
-    got = _tree_times(child.pid)
-    if got is None:
-        return
-    child.cpu_seconds, child.rss_bytes = got
-    pct = _cpu_percent(child.pid, child.cpu_seconds)
-    if pct is not None:
-        child.cpu_percent = pct
+@dataclass
+class UnitView:
+    pid: int
+    unit: Unit
+    now: float
+    started_at: float
+    all_ready_at: float | None
+    children: list[ChildProcess]
+    mps: ChildProcess | None
+    mps_pipe_dir: str | None
+    sample: Sample
+    quota: CpuQuota
+    orphans_reaped: int = 0
+    log_dropped: int = 0
+    probe_refused: int = 0
 
 
 def absorb_stats(child: ChildProcess, result: ProbeResult) -> None:
     if not result.ok:
         return
-    try:
-        doc = json.loads(result.body)
-    except ValueError:
+    doc = result.doc()
+    if not doc:
         return
-    if isinstance(doc, dict):
-        child.stats = {k: doc[k] for k in STAT_KEYS if isinstance(doc.get(k), (int, float))}
-
-
-def _tree_pids(pid: int | None) -> set[int]:
-    if pid is None:
-        return set()
-    procs = _tree(pid)
-    return {pid} if procs is None else {p.pid for p in procs}
+    child.stats = {k: doc[k] for k in STAT_KEYS
+                   if isinstance(doc.get(k), (int, float)) and not isinstance(doc.get(k), bool)}
+    jobs = doc.get("jobs")
+    if isinstance(jobs, dict) and len(json.dumps(jobs)) <= JOBS_MAX_BYTES:
+        child.jobs = jobs
+    else:
+        child.jobs = None
 
 
 def _gpu_memory(child: ChildProcess, gpu: dict[str, Any]) -> tuple[int | None, str | None]:
@@ -102,9 +69,10 @@ def _gpu_memory(child: ChildProcess, gpu: dict[str, Any]) -> tuple[int | None, s
     return (int(own), "service") if own is not None else (None, None)
 
 
-def _service(child: ChildProcess, now: float, gpu: dict[str, Any]) -> dict[str, Any]:
-    up = child.uptime(now)
-    gpu_bytes, gpu_source = _gpu_memory(child, gpu)
+def _service(child: ChildProcess, v: UnitView) -> dict[str, Any]:
+    up = child.uptime(v.now)
+    gpu_bytes, gpu_source = _gpu_memory(child, v.sample.gpu)
+    tree = v.sample.trees.get(child.name) if child.alive else None
     return {
         "name": child.name,
         "pid": child.pid,
@@ -117,9 +85,9 @@ def _service(child: ChildProcess, now: float, gpu: dict[str, Any]) -> dict[str, 
         "threads": child.plan.threads,
         "liveness_misses": child.liveness_misses,
         "last_probe_error": child.last_probe_error or None,
-        "cpu_percent": child.cpu_percent,
-        "cpu_seconds": None if child.cpu_seconds is None else round(child.cpu_seconds, 2),
-        "rss_bytes": child.rss_bytes,
+        "cpu_percent": tree.cpu_percent if tree else None,
+        "cpu_seconds": round(tree.cpu_seconds, 2) if tree else None,
+        "rss_bytes": tree.rss_bytes if tree else None,
         "gpu_memory_bytes": gpu_bytes,
         "gpu_memory_source": gpu_source,
         "queue_depth": child.stats.get("queue_depth"),
@@ -128,50 +96,57 @@ def _service(child: ChildProcess, now: float, gpu: dict[str, Any]) -> dict[str, 
         "errors": child.stats.get("errors"),
         "latency_p50_ms": child.stats.get("latency_p50_ms"),
         "latency_p99_ms": child.stats.get("latency_p99_ms"),
+        "drain_s": child.plan.drain_s,
+        "killed": child.killed,
+        "jobs": child.jobs,
     }
 
 
-def gpu_facts(sup: "Supervisor") -> dict[str, Any]:
-    return sup.gpu.read({c.name: _tree_pids(c.pid) for c in sup.children if c.alive})
+def supervisor_state(v: UnitView) -> str:
+    if v.unit.stopping:
+        return "stopping"
+    return "running" if v.all_ready_at is not None else "starting"
 
 
-def snapshot(sup: "Supervisor") -> dict[str, Any]:
-    now = sup.os.monotonic()
-    for child in sup.children:
-        sample_resources(child)
-    gpu = gpu_facts(sup)
-    me = _tree_times(os.getpid())
-    own = psutil.Process()
-    q = sup.plan.quota
+def snapshot(v: UnitView) -> dict[str, Any]:
+    q = v.quota
+    s = v.sample
+    mps = v.mps
     return {
         "version": STATUS_VERSION,
         "supervisor": {
-            "pid": os.getpid(),
-            "state": "stopping" if sup.stopping else ("running" if sup.all_ready_at else "starting"),
-            "uptime_s": round(now - sup.started_at, 1),
-            "all_ready": all_ready(sup),
-            "stop_reason": sup.stop_reason or None,
-            "cpu_percent": _cpu_percent(-1, sum(own.cpu_times()[:2])),
-            "rss_bytes": own.memory_info().rss,
-            "orphans_reaped": sup.orphans_reaped,
-            "tree_rss_bytes": me[1] if me else None,
+            "pid": v.pid,
+            "state": supervisor_state(v),
+            "uptime_s": round(v.now - v.started_at, 1),
+            "all_ready": all_ready(v),
+            "stop_reason": v.unit.reason or None,
+            "cpu_percent": s.own_cpu_percent,
+            "rss_bytes": s.own_rss_bytes,
+            "orphans_reaped": v.orphans_reaped,
+            "tree_rss_bytes": s.own_tree_rss_bytes,
+            "version": version(),
+            "exit_code": v.unit.code if v.unit.stopping else None,
+            "log_lines_dropped": v.log_dropped,
+            "probe_connections_refused": v.probe_refused,
+            "sampled_s_ago": round(max(0.0, v.now - s.at), 1) if s.at else None,
         },
         "cpu": {"cpus": q.cpus, "source": q.source, "affinity": q.affinity, "quota": q.quota,
-                "threads_planned": sum(c.plan.threads for c in sup.children),
-                "throttling": sup.throttle.summary()},
-        "gpu": {k: v for k, v in gpu.items() if k != "per_service_bytes"},
-        "mps": {"enabled": sup.mps is not None, "running": bool(sup.mps and sup.mps.started),
-                "pipe_dir": str(sup.mps.pipe_dir) if sup.mps else None},
-        "services": [_service(c, now, gpu) for c in sup.children],
+                "threads_planned": sum(c.plan.threads for c in v.children),
+                "throttling": s.throttling},
+        "gpu": {k: val for k, val in s.gpu.items() if k != "per_service_bytes"},
+        "mps": {"enabled": mps is not None, "running": bool(mps and mps.alive),
+                "pipe_dir": v.mps_pipe_dir,
+                "pid": mps.pid if mps else None, "state": mps.state.value if mps else None},
+        "services": [_service(c, v) for c in v.children],
     }
 
 
-def all_ready(sup: "Supervisor") -> bool:
-    return not sup.stopping and all(c.state == State.READY for c in sup.children)
+def all_ready(v: UnitView) -> bool:
+    return not v.unit.stopping and all(c.state == State.READY for c in v.children)
 
 
-def not_ready(sup: "Supervisor") -> list[str]:
-    return [f"{c.name} ({c.state.value})" for c in sup.children if c.state != State.READY]
+def not_ready(v: UnitView) -> list[str]:
+    return [f"{c.name} ({c.state.value})" for c in v.children if c.state != State.READY]
 
 
 def _esc(v: str) -> str:
@@ -180,32 +155,34 @@ def _esc(v: str) -> str:
 
 def _family(out: list[str], name: str, kind: str, help_text: str,
             samples: list[tuple[dict[str, str], Any]]) -> None:
-    """One metric family: HELP, TYPE and its samples (value already formatted)."""
+    """One metric family: HELP and TYPE once, then its samples (value already formatted)."""
     out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
     for labels, value in samples:
-        label_text = ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items())
+        label_text = ",".join(f'{k}="{_esc(str(val))}"' for k, val in labels.items())
         out.append(f"{name}{{{label_text}}} {value}" if labels else f"{name} {value}")
 
 
-def metrics_text(sup: "Supervisor") -> str:
-    """Prometheus text exposition: services, GPU, CPU quota and throttling, readiness."""
-    for child in sup.children:
-        sample_resources(child)
-    kids = sup.children
+def metrics_text(v: UnitView) -> str:
+    """Prometheus text exposition (format 0.0.4): services, GPU, CPU, the supervisor itself."""
+    kids = v.children
+    s = v.sample
     out: list[str] = []
+    _family(out, "onecard_build_info", "gauge", "Version of onecard and of Python; always 1.",
+            [({"version": version(), "python": platform.python_version()}, 1)])
     _family(out, "onecard_service_up", "gauge", "1 while the service process is alive.",
             [({"service": c.name}, 1 if c.alive else 0) for c in kids])
     _family(out, "onecard_service_state", "gauge", "1 for the state the service is in.",
             [({"service": c.name, "state": st.value}, 1 if c.state == st else 0) for c in kids for st in State])
     _family(out, "onecard_service_exits_total", "counter", "Exits of the service process seen by the supervisor.",
             [({"service": c.name}, 1 if c.exit_code is not None else 0) for c in kids])
+    trees = [(c, s.trees.get(c.name)) for c in kids if c.alive]
     _family(out, "onecard_service_cpu_seconds_total", "counter", "CPU time of the service's process tree.",
-            [({"service": c.name}, f"{c.cpu_seconds:.3f}") for c in kids if c.cpu_seconds is not None])
+            [({"service": c.name}, f"{t.cpu_seconds:.3f}") for c, t in trees if t is not None])
     _family(out, "onecard_service_rss_bytes", "gauge", "Resident memory of the service's process tree.",
-            [({"service": c.name}, c.rss_bytes) for c in kids if c.rss_bytes is not None])
+            [({"service": c.name}, t.rss_bytes) for c, t in trees if t is not None])
     _family(out, "onecard_service_liveness_misses", "gauge", "Liveness probes missed in a row.",
             [({"service": c.name}, c.liveness_misses) for c in kids])
-    gpu = gpu_facts(sup)
+    gpu = s.gpu
     _family(out, "onecard_gpu_available", "gauge", "1 when NVML sees the GPU.",
             [({}, 1 if gpu.get("available") else 0)])
     if gpu.get("available"):
@@ -219,9 +196,12 @@ def metrics_text(sup: "Supervisor") -> str:
     per_service = [(c, *_gpu_memory(c, gpu)) for c in kids]
     _family(out, "onecard_service_gpu_memory_bytes", "gauge", "GPU memory per service; source nvml or service.",
             [({"service": c.name, "source": source}, used) for c, used, source in per_service if used is not None])
+    if v.mps is not None:
+        _family(out, "onecard_mps_up", "gauge", "1 while the MPS control daemon is alive.",
+                [({}, 1 if v.mps.alive else 0)])
     _family(out, "onecard_cpu_quota_cpus", "gauge", "CPUs this container may use (cgroup quota and affinity).",
-            [({}, f"{sup.plan.quota.cpus:g}")])
-    thr = sup.throttle.summary()
+            [({}, f"{v.quota.cpus:g}")])
+    thr = s.throttling
     if thr is not None:
         _family(out, "onecard_cpu_throttled_periods_total", "counter",
                 "CFS periods in which the cgroup was throttled.", [({}, thr["nr_throttled"])])
@@ -230,5 +210,12 @@ def metrics_text(sup: "Supervisor") -> str:
                 [({}, thr["throttled_s"])])
         _family(out, "onecard_cpu_throttled_share_1m", "gauge", "Share of periods throttled over the last minute.",
                 [({}, thr["throttled_share_1m"])])
-    _family(out, "onecard_ready", "gauge", "1 when every service is ready.", [({}, 1 if all_ready(sup) else 0)])
+    _family(out, "onecard_log_lines_dropped_total", "counter",
+            "Log lines dropped because stdout did not keep up.", [({}, v.log_dropped)])
+    _family(out, "onecard_probe_connections_refused_total", "counter",
+            "Probe-port connections closed at once because too many were open.", [({}, v.probe_refused)])
+    if s.own_rss_bytes is not None:
+        _family(out, "onecard_supervisor_rss_bytes", "gauge", "Resident memory of the supervisor process.",
+                [({}, s.own_rss_bytes)])
+    _family(out, "onecard_ready", "gauge", "1 when every service is ready.", [({}, 1 if all_ready(v) else 0)])
     return "\n".join(out) + "\n"

@@ -2,7 +2,12 @@
 
 Imports nothing heavy (no pydantic, no ML library) so that it answers in well under
 half a second and can serve as an exec probe. Exit codes: 0 every service ready,
-1 not all ready, 2 no supervisor reachable.
+1 not all ready, 2 no supervisor reachable. `onecard stop` uses the same channel.
+
+The socket is found like every command finds its config (configpath.py): ``--socket``,
+else ``$ONECARD_CONTROL_SOCKET``, else the config's ``supervisor.control_socket``
+(``--config``, else ``$ONECARD_CONFIG``, else the built-in default; overridden by
+``$ONECARD_SUPERVISOR__CONTROL_SOCKET`` as `run` would be).
 """
 
 from __future__ import annotations
@@ -22,32 +27,38 @@ class Unreachable(Exception):
     pass
 
 
-def socket_path(explicit: str | None, config_path: str | None) -> str:
+def socket_path(explicit: str | None, config_option: str | None, environ=None) -> str:
+    environ = os.environ if environ is None else environ
     if explicit:
         return explicit
-    if os.environ.get("ONECARD_CONTROL_SOCKET"):
-        return os.environ["ONECARD_CONTROL_SOCKET"]
-    if os.environ.get("ONECARD_SUPERVISOR__CONTROL_SOCKET"):
-        return os.environ["ONECARD_SUPERVISOR__CONTROL_SOCKET"]
-    if config_path:
-        import tomllib
-        try:
-            with open(config_path, "rb") as fh:
-                doc = tomllib.load(fh)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise Unreachable(f"{config_path}: cannot read: {exc}") from None
-        found = doc.get("supervisor", {}).get("control_socket")
-        if isinstance(found, str):
-            return found
-    return DEFAULT_CONTROL_SOCKET
+    if environ.get("ONECARD_CONTROL_SOCKET"):
+        return environ["ONECARD_CONTROL_SOCKET"]
+    from supervisor.configpath import resolve
+    source = resolve(config_option, environ)
+    found = None
+    import tomllib
+    try:
+        with open(source.path, "rb") as fh:
+            doc = tomllib.load(fh)
+    except FileNotFoundError:
+        raise Unreachable(f"{source.describe()}: no such file") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise Unreachable(f"{source.describe()}: cannot read: {exc}") from None
+    section = doc.get("supervisor", {})
+    if isinstance(section, dict) and isinstance(section.get("control_socket"), str):
+        found = section["control_socket"]
+    override = environ.get("ONECARD_SUPERVISOR__CONTROL_SOCKET")
+    if override:
+        found = override[1:-1] if len(override) > 1 and override[0] == override[-1] == '"' else override
+    return found or DEFAULT_CONTROL_SOCKET
 
 
-def fetch(path: str, timeout: float = 2.0) -> dict[str, Any]:
+def fetch(path: str, timeout: float = 2.0, command: str = "status") -> dict[str, Any]:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
     try:
         s.connect(path)
-        s.sendall(b"status\n")
+        s.sendall(command.encode() + b"\n")
         chunks = []
         while True:
             data = s.recv(65536)
@@ -122,8 +133,22 @@ def render_table(doc: dict[str, Any]) -> str:
         lines.append(f"gpu  none ({gpu.get('reason', 'no GPU')})")
     mps = doc.get("mps") or {}
     if mps.get("enabled"):
-        lines.append(f"mps  {'running' if mps.get('running') else 'not running'} ({mps.get('pipe_dir')})")
+        lines.append(f"mps  {'running' if mps.get('running') else 'not running'}"
+                     + (f" pid {mps['pid']}" if mps.get("pid") else "") + f" ({mps.get('pipe_dir')})")
+    dropped = sup.get("log_lines_dropped")
+    if dropped:
+        lines.append(f"logs  {dropped} lines dropped (stdout did not keep up)")
+    for s in doc.get("services", []):
+        if isinstance(s.get("jobs"), dict):
+            lines.append(f"jobs {s['name']}  {_jobs_line(s['jobs'])}")
     return "\n".join(lines)
+
+
+def _jobs_line(jobs: dict[str, Any], width: int = 100) -> str:
+    """One short line: the scalar figures of a service's jobs section."""
+    parts = [f"{k} {v}" for k, v in jobs.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)]
+    text = ", ".join(parts) or "-"
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def exit_code_for(doc: dict[str, Any]) -> int:
@@ -131,13 +156,14 @@ def exit_code_for(doc: dict[str, Any]) -> int:
 
 
 def main(socket_arg: str | None, config_path: str | None, as_json: bool, watch: bool,
-         interval: float) -> int:
+         interval: float, count: int = 0) -> int:
     try:
         path = socket_path(socket_arg, config_path)
     except Unreachable as exc:
         print(f"onecard status: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     doc: dict[str, Any] | None = None
+    shown = 0
     try:
         while True:
             try:
@@ -151,6 +177,35 @@ def main(socket_arg: str | None, config_path: str | None, as_json: bool, watch: 
                 return exit_code_for(doc)
             sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + path + "\n\n" + text + "\n")
             sys.stdout.flush()
+            shown += 1
+            if count and shown >= count:
+                return exit_code_for(doc)
             time.sleep(interval)
-    except KeyboardInterrupt:  # --watch ends with Ctrl-C
+    except KeyboardInterrupt:  # --watch ends with Ctrl-C (or --count)
         return EXIT_UNREACHABLE if doc is None else exit_code_for(doc)
+
+
+def stop(socket_arg: str | None, config_path: str | None, wait: bool, timeout: float) -> int:
+    """Ask the supervisor to stop gracefully (like SIGTERM); with wait, until it is gone."""
+    try:
+        path = socket_path(socket_arg, config_path)
+        answer = fetch(path, command="stop")
+    except Unreachable as exc:
+        print(f"onecard stop: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    if not answer.get("stopping"):
+        print(f"onecard stop: unexpected answer {answer}", file=sys.stderr)
+        return EXIT_NOT_READY
+    print(f"onecard stop: supervisor pid {answer.get('pid')} is stopping")
+    if not wait:
+        return 0
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            fetch(path, timeout=1.0)
+        except Unreachable:
+            print("onecard stop: stopped")
+            return 0
+        time.sleep(0.2)
+    print(f"onecard stop: still running after {timeout:g} s", file=sys.stderr)
+    return EXIT_NOT_READY

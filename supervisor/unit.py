@@ -1,364 +1,393 @@
-"""The supervisor's policy: start every service, watch them, stop them all as one unit.
+"""The driver: one loop that turns what happens (signals, reaped children, probe answers,
+timers) into events for the lifecycle tables (lifecycle.py) and carries out what they say.
 
-Exit rules (documented in the README):
-- a service exits on its own  -> stop the others, exit with its code (128+N for signal N)
-- SIGTERM / SIGINT            -> graceful drain of every service, exit 0
-- a second SIGINT             -> SIGKILL everything now, exit 130
-- start-up timeout            -> stop everything, exit 3
-- liveness failures           -> stop everything (the hung one too), exit 4
-- a service cannot be started -> exit 127
-- the MPS daemon will not start -> exit 5 (nothing else is started)
-
-Signal handlers (`handle_<signal>`) only enqueue; everything else happens in `run`'s
-loop, one event at a time, so the policy is plain sequential code.
+Signal handlers, probe tasks, timers and the sampler thread only enqueue; `_dispatch`
+applies one event at a time, so the policy is sequential and a scripted history replays
+the same way (tests/unit/test_policy.py). Nothing on this loop blocks: logs go through a
+bounded buffer (logs.py), process-table and NVML figures come from a worker thread
+(sampler.py), filesystem and process-table look-ups run in worker threads.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import collections
+import secrets
 import signal
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from supervisor import report
-from supervisor.child import ChildProcess, State
-from supervisor.config import Config
-from supervisor.control import ControlError, ControlServer, HealthServer
-from supervisor.cpuquota import ThrottleWindow
-from supervisor.gpu import GpuFacts
-from supervisor.mps import MpsDaemon, MpsError
+from supervisor.child import ChildProcess
+from supervisor.clock import Clock, LoopClock, Timer
+from supervisor.endpoints import Endpoints
+from supervisor.watch import ServiceWatch
+from supervisor.lifecycle import (EXIT_SETUP, EXIT_SPAWN_FAILED,
+                                  EXIT_STARTUP_TIMEOUT, IGNORED_SIGNALS, INTERRUPT_SIGNALS, STOP_SIGNALS,
+                                  Action, Event, State, Unit, UnitEvent, UnitState)
 from supervisor.logs import LineSplitter, LogSink
+from supervisor.mpsrun import MpsRunner
 from supervisor.oslayer import OsLayer, exit_code_of
 from supervisor.plan import Plan
-from supervisor.probe import ProbeResult, http_get
+from supervisor.probe import ChildProber, http_get
+from supervisor.sampler import Sampler
 
-EXIT_STARTUP_TIMEOUT = 3
-EXIT_LIVENESS = 4
-EXIT_SPAWN_FAILED = 127
-EXIT_KILLED_BY_SECOND_SIGINT = 130
-EXIT_CONTROL_FAILED = 1
-EXIT_MPS_FAILED = 5
-THROTTLE_SAMPLE_S = 10.0
+if TYPE_CHECKING:
+    from supervisor.config import Config
 
-Prober = Callable[[str, int, str, float], Awaitable[ProbeResult]]
-HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)
+HANDLED = STOP_SIGNALS + INTERRUPT_SIGNALS + (signal.SIGCHLD,)
+LOG_REPEAT_S = 10.0
 
 
 class Supervisor:
-    def __init__(self, config: Config, plan: Plan, *, os_layer: OsLayer | None = None,
-                 log: LogSink | None = None, prober: Prober = http_get, gpu: GpuFacts | None = None):
+    def __init__(self, config: "Config", plan: Plan, *, os_layer: OsLayer | None = None,
+                 clock: Clock | None = None, log: LogSink | None = None, prober: Any = None,
+                 gpu: Any = None, sampler: Sampler | None = None, port_check: Any = None):
         self.config = config
         self.settings = config.supervisor
         self.plan = plan
         self.os = os_layer or OsLayer()
-        self.log = log or LogSink(self.settings.log_format)
-        self.prober = prober
+        self.clock = clock or LoopClock()
+        self.log = log or LogSink(self.settings.log_format, max_lines=self.settings.log_buffer_lines)
+        self.probes = prober if isinstance(prober, ChildProber) else ChildProber(prober or http_get)
+        self.unit = Unit()
         self.children = [ChildProcess(p) for p in plan.services]
+        self.mps = MpsRunner(self, config.gpu, plan.mps_dir) if plan.mps_dir else None
+        if sampler is None:
+            from supervisor.cpuquota import ThrottleWindow
+            from supervisor.gpu import GpuFacts
+            sampler = Sampler(gpu or GpuFacts(config.gpu.visible_devices), ThrottleWindow(plan.quota),
+                              self.settings.sample_period_s)
+        self.sampler = sampler
+        if port_check is None:
+            from supervisor.ports import port_problem as port_check
+        self.port_check = port_check
         self._by_pid: dict[int, ChildProcess] = {}
-        self._events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self._tasks: list[asyncio.Task] = []
-        self.started_at = self.os.monotonic()
+        self.oneshots: dict[int, asyncio.Future] = {}
+        self._exit_waiters: dict[int, list[asyncio.Future]] = collections.defaultdict(list)
+        self._events: asyncio.Queue[tuple] = asyncio.Queue()
+        self._tasks: set[asyncio.Task] = set()
+        self.started_at = self.clock.now()
         self.all_ready_at: float | None = None
-        self.stopping = False
-        self.stop_reason = ""
-        self.exit_code: int | None = None
         self.orphans_reaped = 0
-        self._grace_timer: asyncio.TimerHandle | None = None
-        self.gpu = gpu or GpuFacts(config.gpu.visible_devices)
-        self.throttle = ThrottleWindow(plan.quota)
-        self.mps = (MpsDaemon(plan.mps_dir, config.gpu.mps_start_timeout_s, log=self.log.info)
-                    if plan.mps_dir else None)
+        self.reaped_orphans: collections.deque[int] = collections.deque(maxlen=256)
+        self._grace_timer: Timer | None = None
+        self._startup_timer: Timer | None = None
+        self.endpoints = Endpoints(self)
+        self.watch = ServiceWatch(self)
+        self._last_logged: dict[str, float] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
 
-    # ---- signal handlers: enqueue only -------------------------------------------------
-    def handle_sigterm(self) -> None:
-        self._events.put_nowait(("signal", signal.SIGTERM))
+    # ---- what others call: enqueue only ---------------------------------------------------
+    def put(self, *event: Any) -> None:
+        self._events.put_nowait(event)
 
-    def handle_sigint(self) -> None:
-        self._events.put_nowait(("signal", signal.SIGINT))
+    def handle_signal(self, sig: int) -> None:
+        self.put("signal", sig)
 
     def handle_sigchld(self) -> None:
-        self._events.put_nowait(("sigchld", None))
+        self.put("sigchld")
 
-    # ---- main loop --------------------------------------------------------------------
+    def spawn_task(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ---- main loop ----------------------------------------------------------------------------
     async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        servers = self._servers()
-        try:
-            for server in servers:
-                await server.start()
-        except ControlError as exc:
-            self.log.error(str(exc))
-            for server in servers:
-                await server.close()
-            return EXIT_CONTROL_FAILED
-        for sig in HANDLED_SIGNALS:
-            loop.add_signal_handler(sig, getattr(self, f"handle_{sig.name.lower()}"))
+        loop = self.loop = asyncio.get_running_loop()
+        loop.set_exception_handler(self._loop_exception)
+        code = await self.endpoints.open()
+        if code is not None:
+            self.log.flush(2.0)
+            return code
+        for sig in STOP_SIGNALS + INTERRUPT_SIGNALS:
+            loop.add_signal_handler(sig, self.handle_signal, sig)
+        loop.add_signal_handler(signal.SIGCHLD, self.handle_sigchld)
+        ignored = {sig: signal.signal(sig, signal.SIG_IGN) for sig in IGNORED_SIGNALS}
         try:
             self.os.become_subreaper()
+            self.os.raise_open_files_limit()
             for warning in self.plan.warnings:
                 self.log.warning(warning)
-            self._tasks.append(loop.create_task(self._sample_throttling()))
-            if self.mps is not None:
-                await self._start_mps()
-            if not self.stopping:
-                self._spawn_all(loop)
-            if not self.stopping:
-                self._tasks.append(loop.create_task(self._startup()))
-            self._on_sigchld()  # a child may have died before the handler could see it
-            while not (self.stopping and self._all_exited()):
-                kind, arg = await self._events.get()
-                self._dispatch(kind, arg)
+            self.sampler.extra.append(self.endpoints.watch_control_socket)
+            self.sampler.start()
+            self._startup_timer = self.clock.call_later(self.settings.startup_timeout_s,
+                                                        lambda: self.put("startup_deadline"))
+            self.spawn_task(self._prepare())
+            self._on_sigchld()  # a child may have died before the handler was installed
+            while self.unit.state != UnitState.DONE:
+                self._dispatch(await self._events.get())
+                self._progress()
             await self._drain_output()
         finally:
-            for task in self._tasks:
+            for task in list(self._tasks):
                 task.cancel()
-            if self._grace_timer is not None:
-                self._grace_timer.cancel()
+            for timer in (self._grace_timer, self._startup_timer):
+                if timer is not None:
+                    timer.cancel()
             self._kill_stragglers()
-            for sig in HANDLED_SIGNALS:
+            for sig in HANDLED:
                 loop.remove_signal_handler(sig)
-            for server in servers:
-                await server.close()
-            if self.mps is not None:
-                await asyncio.to_thread(self.mps.stop)  # only once every service is gone
-        code = self.exit_code if self.exit_code is not None else 0
-        self.log.info(f"exit {code}: {self.stop_reason}")
+            for sig, old in ignored.items():
+                signal.signal(sig, old)
+            self.sampler.stop()
+            await self.endpoints.close()
+        code = self.unit.exit_code([c.exit_code for c in self.children if c.pid is not None])
+        self.log.info(f"exit {code}: {self.unit.reason}")
+        self.log.flush(2.0)
         return code
 
-    async def _start_mps(self) -> None:
-        """Before any service: a daemon that will not start stops the unit with nothing started.
-        A signal that arrives meanwhile waits in the queue and is handled after."""
-        try:
-            await asyncio.to_thread(self.mps.start)
-        except MpsError as exc:
-            self.log.error(f"MPS: {exc}")
-            self.stopping = True
-            self.exit_code = EXIT_MPS_FAILED
-            self.stop_reason = f"MPS control daemon did not start: {exc}"
+    async def _prepare(self) -> None:
+        """Before any service: every port free, then the MPS daemon (when on)."""
+        problems = []
+        for c in self.children:
+            p = await asyncio.to_thread(self.port_check, c.plan.host, c.plan.port)
+            if p:
+                problems.append(f"services.{c.name}.port: {p}")
+        if problems:
+            for p in problems:
+                self.log.error(p)
+            self.put("fail", EXIT_SETUP, "; ".join(problems))
+            return
+        if self.mps is not None and not await self.mps.start():
+            return
+        self.put("spawn_services")
 
-    def _servers(self) -> list:
-        servers: list = [ControlServer(self.settings.control_socket, lambda: report.snapshot(self))]
-        if self.settings.health_port:
-            servers.append(HealthServer(self.settings.health_host, self.settings.health_port, {
-                "/healthz": self._route_healthz,
-                "/readyz": self._route_readyz,
-                "/metrics": lambda: (200, "text/plain; version=0.0.4", report.metrics_text(self)),
-            }))
-        return servers
-
-    def _route_healthz(self) -> tuple[int, str, str]:
-        if self.stopping:
-            return 503, "application/json", json.dumps({"status": "stopping", "reason": self.stop_reason})
-        return 200, "application/json", json.dumps({"status": "ok"})
-
-    def _route_readyz(self) -> tuple[int, str, str]:
-        if report.all_ready(self):
-            return 200, "application/json", json.dumps({"ready": True})
-        return 503, "application/json", json.dumps({"ready": False, "not_ready": report.not_ready(self)})
-
-    def _dispatch(self, kind: str, arg: Any) -> None:
+    def _dispatch(self, event: tuple) -> None:
+        kind, args = event[0], event[1:]
         if kind == "sigchld":
             self._on_sigchld()
         elif kind == "signal":
-            self._on_signal(arg)
+            self._on_signal(*args)
         elif kind == "fail":
-            code, reason = arg
-            self._begin_stop(code, reason)
+            self.apply(self.unit.fire(UnitEvent.FAIL, *args))
+        elif kind == "spawn_services":
+            self._spawn_services()
+        elif kind == "ready_probe":
+            self.watch.on_ready_probe(*args)
+        elif kind == "watch_probe":
+            self.watch.on_watch(*args)
+        elif kind == "startup_deadline":
+            self._on_startup_deadline()
         elif kind == "grace":
-            self._on_grace_expired()
+            self._on_grace()
+        elif kind == "stop_request":
+            self._stop(UnitEvent.STOP, "`onecard stop` requested")
+        elif kind == "control_socket_gone":
+            self.endpoints.on_control_socket_gone()
+        elif kind.startswith("mps_") and self.mps is not None:
+            self.mps.on_event(kind, *args)
 
-    def _spawn_all(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _progress(self) -> None:
+        """Conditions over several children: all ready, all gone."""
+        if not self.unit.stopping:
+            if self.all_ready_at is None and self.children and all(c.state == State.READY for c in self.children):
+                self.all_ready_at = self.clock.now()
+                if self._startup_timer is not None:
+                    self._startup_timer.cancel()
+                self.log.info(f"all services ready in {self.all_ready_at - self.started_at:.2f} s")
+                self.apply(self.unit.fire(UnitEvent.ALL_READY))
+            return
+        if any(c.state != State.EXITED for c in self.children):
+            return
+        if self.mps is not None and not self.mps.stopped:
+            self.mps.begin_stop()
+            return
+        self.apply(self.unit.fire(UnitEvent.ALL_EXITED))
+
+    def apply(self, actions: tuple[Action, ...]) -> None:
+        for action in actions:
+            if action == Action.TERMINATE:
+                if self._startup_timer is not None:
+                    self._startup_timer.cancel()
+                for child in self.children:
+                    was_alive = child.alive
+                    child.fire(Event.TERM)
+                    if was_alive:
+                        self.os.kill_group(child.pid, signal.SIGTERM)
+                if self._grace_timer is None:
+                    self._grace_timer = self.clock.call_later(self.settings.grace_s, lambda: self.put("grace"))
+            elif action == Action.KILL:
+                for child in self.children:
+                    if child.alive:
+                        child.killed = True
+                    if child.pid is not None:
+                        self.os.kill_group(child.pid, signal.SIGKILL)
+                if self.mps is not None:
+                    self.mps.abort_start()
+
+    def _stop(self, event: UnitEvent, reason: str) -> None:
+        if not self.unit.stopping:
+            self.log.info(f"{reason}: draining every service (drain {self.plan.services[0].drain_s:g} s, "
+                          f"grace {self.settings.grace_s:g} s)" if self.plan.services else reason)
+        self.apply(self.unit.fire(event, 0, reason))
+
+    # ---- children -----------------------------------------------------------------------------
+    def _spawn_services(self) -> None:
+        if self.unit.stopping:
+            return
         for child in self.children:
+            child.token = secrets.token_hex(8)
+            env = {**child.plan.env, "ONECARD_INSTANCE_TOKEN": child.token}
             try:
-                spawned = self.os.spawn(child.plan.argv, child.plan.env)
+                spawned = self.os.spawn(child.plan.argv, env)
             except OSError as exc:
-                self._begin_stop(EXIT_SPAWN_FAILED,
-                                 f"{child.name}: cannot start {child.plan.argv[0]!r}: {exc}")
+                reason = f"{child.name}: cannot start {child.plan.argv[0]!r}: {exc}"
+                self.log.error(reason)
+                self.apply(self.unit.fire(UnitEvent.FAIL, EXIT_SPAWN_FAILED, reason))
                 return
-            child.pid = spawned.pid
-            child.started_at = self.os.monotonic()
-            child.state = State.STARTING
-            self._by_pid[spawned.pid] = child
-            self._attach_output(loop, child, spawned.output_fd)
+            self.adopt(child, spawned.pid)
+            self.attach_output(child.name, spawned.output_fd, child)
             self.log.info(f"{child.name}: started pid {child.pid} on {child.plan.host}:{child.plan.port}")
+            self.spawn_task(self.watch.probe_loop(child))
+        self.sampler.targets = {c.name: c.pid for c in self.children if c.alive}
+        self.sampler.request()
 
-    def _attach_output(self, loop: asyncio.AbstractEventLoop, child: ChildProcess, fd: int) -> None:
+    def adopt(self, child: ChildProcess, pid: int) -> None:
+        child.pid = pid
+        child.started_at = self.clock.now()
+        child.fire(Event.STARTED)
+        self._by_pid[pid] = child
+
+    def attach_output(self, tag: str, fd: int, child: ChildProcess | None = None,
+                      tail: Any = None) -> asyncio.Future:
+        """Read a child's pipe to its end, tagging each line; the future is done at EOF."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        sink = tail if tail is not None else (child.tail if child is not None else None)
+
         def on_line(text: str) -> None:
-            child.tail.add(text)
-            self.log.line(child.name, text)
+            if sink is not None:
+                sink.add(text)
+            self.log.line(tag, text)
 
         def on_eof() -> None:
-            child.output_open = False
-            self._events.put_nowait(("output_closed", child.name))
+            if child is not None:
+                child.output_open = False
+            if not done.done():
+                done.set_result(None)
 
-        child.output_open = True
+        if child is not None:
+            child.output_open = True
         pipe = open(fd, "rb", buffering=0, closefd=True)
-        self._tasks.append(loop.create_task(
-            loop.connect_read_pipe(lambda: LineSplitter(on_line, on_eof), pipe)))
+        self.spawn_task(loop.connect_read_pipe(lambda: LineSplitter(on_line, on_eof), pipe))
+        return done
 
-    # ---- events -----------------------------------------------------------------------
+    def wait_exit(self, pid: int) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self._exit_waiters[pid].append(fut)
+        return fut
+
     def _on_sigchld(self) -> None:
         for pid, status in self.os.reap():
-            child = self._by_pid.get(pid)
+            code = exit_code_of(status)
+            for fut in self._exit_waiters.pop(pid, []):
+                if not fut.done():
+                    fut.set_result(code)
+            shot = self.oneshots.pop(pid, None)
+            if shot is not None:
+                if not shot.done():
+                    shot.set_result(code)
+                continue
+            child = self._by_pid.pop(pid, None)
             if child is None:
                 # An orphan re-parented to us (PID 1 or subreaper): reap it, nothing more.
                 self.orphans_reaped += 1
+                self.reaped_orphans.append(pid)
                 continue
-            child.state = State.EXITED
-            child.exit_code = exit_code_of(status)
-            child.exited_at = self.os.monotonic()
-            if self.stopping:
-                how = " (it was told to stop)" if child.exit_code == 128 + signal.SIGTERM else ""
-                self.log.info(f"{child.name}: exited with code {child.exit_code}{how}")
-            else:
-                self.log.error(f"{child.name}: exited with code {child.exit_code}; stopping every service")
-                self._begin_stop(child.exit_code, f"{child.name} exited with code {child.exit_code}",
-                                 culprit=child)
+            self.child_exited(child, code)
+
+    def child_exited(self, child: ChildProcess, code: int) -> None:
+        told = child.state == State.STOPPING
+        child.fire(Event.EXITED)
+        child.exit_code = code
+        child.exited_at = self.clock.now()
+        self.sampler.targets = {c.name: c.pid for c in self.children if c.alive}
+        if told or self.unit.stopping:
+            how = " (killed after the grace period)" if child.killed else (
+                " (it was told to stop)" if told else "")
+            self.log.info(f"{child.name}: exited with code {code}{how}")
+            return
+        unit_code, reason = child.rules.unexpected_exit(child.name, code)
+        self.log.error(f"{child.name}: exited with code {code}; stopping every service")
+        self.apply(self.unit.fire(UnitEvent.FAIL, unit_code, reason))
 
     def _on_signal(self, sig: int) -> None:
         name = signal.Signals(sig).name
-        if not self.stopping:
-            self.log.info(f"{name} received: draining every service (grace {self.settings.grace_s:g} s)")
-            self._begin_stop(0, f"{name} received")
-        elif sig == signal.SIGINT:
-            self.log.warning("second SIGINT: killing every service now")
-            self.exit_code = EXIT_KILLED_BY_SECOND_SIGINT
-            self.stop_reason += "; second SIGINT"
-            self._signal_all(signal.SIGKILL)
+        if sig in INTERRUPT_SIGNALS:
+            if self.unit.stopping:
+                self.log.warning("second SIGINT: killing every service now")
+                self.apply(self.unit.fire(UnitEvent.INTERRUPT))
+            else:
+                self._stop(UnitEvent.INTERRUPT, f"{name} received")
+        elif self.unit.stopping:
+            self.log.info(f"{name} received while stopping: still waiting (a second SIGINT skips the wait)")
+        else:
+            self._stop(UnitEvent.STOP, f"{name} received")
 
-    def _on_grace_expired(self) -> None:
+    def _on_grace(self) -> None:
         for child in self.children:
             if child.alive:
                 self.log.warning(f"{child.name}: still running {self.settings.grace_s:g} s after SIGTERM; SIGKILL")
-                child.killed = True
-        self._signal_all(signal.SIGKILL)
+        self.apply(self.unit.fire(UnitEvent.GRACE_EXPIRED))
 
-    def _begin_stop(self, code: int, reason: str, culprit: ChildProcess | None = None) -> None:
-        if self.stopping:
+    def _on_startup_deadline(self) -> None:
+        late = [c for c in self.children if c.state in (State.PENDING, State.STARTING)]
+        if self.unit.stopping or not late:
             return
-        self.stopping = True
-        self.exit_code = code
-        self.stop_reason = reason
-        for task in self._tasks:
-            if getattr(task, "_onecard_probe", False):
-                task.cancel()
-        for child in self.children:
-            if child.alive:
-                child.state = State.STOPPING
-        self._signal_all(signal.SIGTERM)
-        loop = asyncio.get_running_loop()
-        self._grace_timer = loop.call_later(self.settings.grace_s, self._events.put_nowait, ("grace", None))
+        for c in late:
+            tail = "\n".join(f"    {line}" for line in c.tail.lines()[-10:]) or "    (no output)"
+            why = f" (last probe: {c.last_probe_error})" if c.last_probe_error else ""
+            self.log.error(f"{c.name} not ready after {self.settings.startup_timeout_s:g} s{why}; "
+                           f"its last lines:\n{tail}")
+        self.apply(self.unit.fire(UnitEvent.FAIL, EXIT_STARTUP_TIMEOUT,
+                                   "start-up timeout: " + ", ".join(c.name for c in late)))
 
-    def fail(self, code: int, reason: str) -> None:
-        """For probe tasks: stop the unit with this code (enqueued like every other event)."""
-        self._events.put_nowait(("fail", (code, reason)))
+    def view(self, sample=None) -> report.UnitView:
+        return report.UnitView(
+            pid=self.os.getpid(), unit=self.unit, now=self.clock.now(), started_at=self.started_at,
+            all_ready_at=self.all_ready_at, children=self.children,
+            mps=self.mps.child if self.mps else None,
+            mps_pipe_dir=str(self.mps.daemon.pipe_dir) if self.mps else None,
+            sample=sample or self.sampler.latest, quota=self.plan.quota, orphans_reaped=self.orphans_reaped,
+            log_dropped=self.log.dropped, probe_refused=self.endpoints.probe_refused())
 
-    def _signal_all(self, sig: int) -> None:
-        # Whole groups, and also the groups of leaders that already exited: what a
-        # service started must not outlive it.
-        for child in self.children:
-            if child.pid is not None:
-                self.os.kill_group(child.pid, sig)
+    def log_once(self, key: str, level: str, text: str) -> None:
+        now = self.clock.now()
+        last = self._last_logged.get(key)
+        if last is not None and now - last < LOG_REPEAT_S:
+            return
+        self._last_logged[key] = now
+        self.log.line("onecard", text, level)
 
-    def _all_exited(self) -> bool:
-        return all(c.pid is None or c.state == State.EXITED for c in self.children)
+    def _loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        msg = context.get("message", "unexpected error")
+        self.log_once(f"loop:{msg}", "error", f"event loop: {msg}" + (
+            f": {type(exc).__name__}: {exc}" if exc is not None else ""))
 
+    # ---- the end ------------------------------------------------------------------------------
     async def _drain_output(self) -> None:
         """Wait (bounded) for every child's last lines; a grandchild may hold the pipe."""
-        deadline = self.os.monotonic() + 2.0
+        deadline = self.clock.now() + 2.0
         while any(c.output_open for c in self.children):
-            left = deadline - self.os.monotonic()
+            left = deadline - self.clock.now()
             if left <= 0:
                 break
             try:
-                kind, arg = await asyncio.wait_for(self._events.get(), left)
+                event = await asyncio.wait_for(self._events.get(), min(left, 0.1))
             except asyncio.TimeoutError:
-                break
-            if kind == "sigchld":
+                continue
+            if event[0] == "sigchld":
                 self._on_sigchld()
 
     def _kill_stragglers(self) -> None:
-        self._signal_all(signal.SIGKILL)
+        for child in self.children:
+            if child.pid is not None:
+                self.os.kill_group(child.pid, signal.SIGKILL)
+        if self.mps is not None:
+            self.mps.kill_now()
+        for pid in list(self.oneshots):
+            self.os.kill_group(pid, signal.SIGKILL)
         self._on_sigchld()
-
-    async def _sample_throttling(self) -> None:
-        while True:
-            self.throttle.sample()
-            await asyncio.sleep(THROTTLE_SAMPLE_S)
-
-    # ---- probes -----------------------------------------------------------------------
-    def _probe_task(self, coro) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        task._onecard_probe = True  # type: ignore[attr-defined]
-        self._tasks.append(task)
-        return task
-
-    async def _startup(self) -> None:
-        deadline = self.started_at + self.settings.startup_timeout_s
-        pending = [c for c in self.children if c.alive]
-        waits = [self._probe_task(self._until_ready(c, deadline)) for c in pending]
-        results = await asyncio.gather(*waits, return_exceptions=True)
-        if self.stopping:
-            return
-        late = [c for c, ok in zip(pending, results) if ok is not True]
-        if late:
-            details = []
-            for c in late:
-                tail = "\n".join(f"    {line}" for line in c.tail.lines()[-10:]) or "    (no output)"
-                why = f" (last probe: {c.last_probe_error})" if c.last_probe_error else ""
-                details.append(f"{c.name} not ready after {self.settings.startup_timeout_s:g} s{why}; "
-                               f"its last lines:\n{tail}")
-            for d in details:
-                self.log.error(d)
-            self.fail(EXIT_STARTUP_TIMEOUT, "start-up timeout: " + ", ".join(c.name for c in late))
-            return
-        self.all_ready_at = self.os.monotonic()
-        self.log.info(f"all services ready in {self.all_ready_at - self.started_at:.2f} s")
-        for c in self.children:
-            self._probe_task(self._watch(c))
-
-    async def _until_ready(self, child: ChildProcess, deadline: float) -> bool:
-        s = self.settings
-        while child.alive and not self.stopping:
-            left = deadline - self.os.monotonic()
-            if left <= 0:
-                return False
-            r = await self.prober(child.plan.host, child.plan.port, "/readyz",
-                                  min(s.liveness_timeout_s, left))
-            if r.ok:
-                child.state = State.READY
-                child.ready_at = self.os.monotonic()
-                child.last_probe_error = ""
-                self.log.info(f"{child.name}: ready after {child.ready_at - child.started_at:.2f} s")
-                return True
-            child.last_probe_error = r.error or f"/readyz answered {r.status}"
-            await asyncio.sleep(min(s.readiness_period_s, max(0.0, deadline - self.os.monotonic())))
-        return False
-
-    async def _watch(self, child: ChildProcess) -> None:
-        """Liveness, readiness and reported figures, every liveness period."""
-        s = self.settings
-        while child.alive and not self.stopping:
-            await asyncio.sleep(s.liveness_period_s)
-            health, ready, stats = await asyncio.gather(
-                self.prober(child.plan.host, child.plan.port, "/healthz", s.liveness_timeout_s),
-                self.prober(child.plan.host, child.plan.port, "/readyz", s.liveness_timeout_s),
-                self.prober(child.plan.host, child.plan.port, "/stats", s.liveness_timeout_s),
-            )
-            if not child.alive or self.stopping:
-                return
-            report.sample_resources(child)
-            report.absorb_stats(child, stats)
-            if health.ok:
-                child.liveness_misses = 0
-            else:
-                child.liveness_misses += 1
-                child.last_probe_error = health.error or f"/healthz answered {health.status}"
-                self.log.warning(f"{child.name}: liveness miss {child.liveness_misses}/"
-                                 f"{s.liveness_failures}: {child.last_probe_error}")
-                if child.liveness_misses >= s.liveness_failures:
-                    self.fail(EXIT_LIVENESS, f"{child.name} failed {child.liveness_misses} liveness "
-                                             f"probes in a row ({child.last_probe_error})")
-                    return
-            if child.state in (State.READY, State.NOT_READY):
-                child.state = State.READY if ready.ok else State.NOT_READY

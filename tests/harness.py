@@ -23,10 +23,37 @@ ROOT = Path(__file__).resolve().parent.parent
 FAKE_APP = "tests.children.fake_app:create_app"
 
 
+PORT_BLOCK = 500
+_next_port = [0]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port that no other test worker can pick: each pytest-xdist worker takes ports
+    from its own block below the kernel's ephemeral range (the kernel hands those to
+    outgoing connections and bind(0), so nothing else in the suite races for them), and
+    each port is checked bindable now. Ports never repeat within a worker."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    low = min(_ephemeral_low(), 32768) - 16 * PORT_BLOCK  # 16 blocks under the ephemeral range
+    base = max(1024, low) + (index % 16) * PORT_BLOCK
+    for _ in range(PORT_BLOCK):
+        port = base + _next_port[0] % PORT_BLOCK
+        _next_port[0] += 1
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {base}..{base + PORT_BLOCK - 1}")
 
 
 def toml_value(v: Any) -> str:
@@ -38,6 +65,8 @@ def toml_value(v: Any) -> str:
         return json.dumps(v)
     if isinstance(v, list):
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(v)
 
 
@@ -71,11 +100,11 @@ class SupervisorRun:
                  prefix: list[str] | None = None, env: dict[str, str] | None = None,
                  gpu: dict[str, Any] | None = None, **supervisor: Any):
         self.tmp = tmp
-        self.socket = str(tmp / "ctl" / "control.sock")
+        self.socket = str(tmp / "ctl" / "c.sock")
         self.health_port = supervisor.pop("health_port", None) or free_port()
         sup = {"grace_s": 5.0, "startup_timeout_s": 30.0, "liveness_period_s": 0.5,
                "liveness_timeout_s": 1.0, "liveness_failures": 3, "health_host": "127.0.0.1",
-               "health_port": self.health_port, "control_socket": self.socket}
+               "health_port": self.health_port, "control_socket": self.socket, "sample_period_s": 0.5}
         sup.update(supervisor)
         self.services = services
         self.config = write_config(tmp / "onecard.toml", sup, services, gpu or {})
@@ -118,6 +147,10 @@ class SupervisorRun:
         return subprocess.run([sys.executable, "-m", "supervisor", "status", "--socket", self.socket, *args],
                               cwd=ROOT, capture_output=True, text=True, timeout=30)
 
+    def cli(self, *args: str, env: dict[str, str] | None = None, cwd: Path | str = ROOT) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "supervisor", *args], cwd=cwd, capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
     def status_doc(self) -> dict:
         r = self.status("--json")
         assert r.returncode in (0, 1), r.stderr
@@ -143,6 +176,23 @@ class SupervisorRun:
     def wait_exit(self, timeout: float) -> int:
         self.returncode = self.proc.wait(timeout=timeout)
         return self.returncode
+
+    def wait_for(self, what: str, predicate, timeout: float = 15.0, period: float = 0.1):
+        """Poll until predicate() is truthy and return it; fail naming `what` otherwise."""
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"supervisor exited {self.proc.returncode} while waiting for {what}:\n"
+                                     f"{self.output()}")
+            last = predicate()
+            if last:
+                return last
+            time.sleep(period)
+        raise AssertionError(f"{what}: not reached in {timeout} s (last: {last!r})\n{self.output()[-3000:]}")
+
+    def service(self, name: str) -> dict:
+        return next(s for s in self.status_doc()["services"] if s["name"] == name)
 
     def signal(self, sig: int) -> None:
         self.record_tree()

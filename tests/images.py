@@ -46,3 +46,31 @@ def pixel_bomb_png(width: int = 100_000, height: int = 100_000) -> bytes:
 
 def small_png() -> bytes:
     return encode(np.full((32, 48, 3), 127, dtype=np.uint8))
+
+
+def progressive_jpeg(arr: np.ndarray | None = None) -> bytes:
+    arr = arr if arr is not None else np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    return encode(arr, "JPEG", progressive=True, quality=90)
+
+
+def scan_bomb_jpeg(extra_scans: int = 2000) -> bytes:
+    """A small progressive JPEG whose last scan is repeated many times: each scan costs
+    a decoder a full pass over the image (the 'thousands of scans' attack)."""
+    data = progressive_jpeg()
+    last_sos = data.rindex(b"\xff\xda")  # 0xFF in entropy data is stuffed (FF00): this is a marker
+    scan = data[last_sos:-2]
+    return data[:-2] + scan * extra_scans + b"\xff\xd9"
+
+
+def nested_json(depth: int) -> bytes:
+    return b'{"image": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+def exif_rotated_jpeg(arr: np.ndarray, orientation: int) -> bytes:
+    """A JPEG whose stored pixels are `arr`, with an EXIF orientation tag."""
+    img = Image.fromarray(arr)
+    exif = img.getexif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=95, exif=exif.tobytes())
+    return buf.getvalue()

@@ -18,7 +18,7 @@ import numpy as np
 
 from services.detect.settings import DetectSettings
 from services.runtime.backend import Backend
-from services.runtime.gpu import ort_providers
+from services.runtime.gpu import check_session_device, ort_providers
 from services.runtime.threads import ort_session_options, planned_threads
 
 
@@ -85,6 +85,7 @@ class CenterFaceBackend(Backend):
         self.session = ort.InferenceSession(
             model.SerializeToString(), sess_options=ort_session_options(planned_threads()),
             providers=ort_providers(self.settings.device))
+        self.device = check_session_device(self.session, self.settings.device)
 
     def warmup_items(self) -> list[Any]:
         return [DetectItem(_warm_image(), 0.5, None)] * min(2, self.settings.max_batch_size)
@@ -125,8 +126,9 @@ class CenterFaceBackend(Backend):
 
     def info(self) -> dict[str, Any]:
         providers = self.session.get_providers() if self.session else []
-        return {"backend": self.name, "model": self.model_path, "device": "cuda" if "CUDAExecutionProvider" in providers else "cpu",
-                "dtype": "float32", "providers": providers, "input_canvas": self.canvas}
+        return {"backend": self.name, "model": self.model_path, "model_name": "centerface",
+                "device": getattr(self, "device", None), "dtype": "float32", "providers": providers,
+                "input_canvas": self.canvas}
 
 
 class _PerImageBackend(Backend):
@@ -172,7 +174,9 @@ class HaarBackend(_PerImageBackend):
         return [_face((x, y, x + w, y + h), 1.0, []) for (x, y, w, h) in found]
 
     def info(self) -> dict[str, Any]:
-        return {"backend": self.name, "model": self.settings.haar_cascade, "device": "cpu", "dtype": "uint8"}
+        return {"backend": self.name, "model": self.settings.haar_cascade,
+                "model_name": os.path.splitext(os.path.basename(self.settings.haar_cascade))[0],
+                "device": "cpu", "dtype": "uint8"}
 
 
 class InsightFaceBackend(_PerImageBackend):
@@ -202,6 +206,7 @@ class InsightFaceBackend(_PerImageBackend):
         use_cuda = any((p[0] if isinstance(p, tuple) else p) == "CUDAExecutionProvider" for p in providers)
         size = (self.settings.max_side, self.settings.max_side)
         model.prepare(0 if use_cuda else -1, input_size=size, det_thresh=0.05, nms_thresh=self.settings.nms_threshold)
+        self.device = check_session_device(model.session, self.settings.device)
         self.model, self.size = model, size
 
     def _detect(self, item: DetectItem) -> list[dict]:
@@ -211,9 +216,11 @@ class InsightFaceBackend(_PerImageBackend):
         return [_face(boxes[i, :4], boxes[i, 4], kpss[i] if kpss is not None else []) for i in range(len(boxes))]
 
     def info(self) -> dict[str, Any]:
-        return {"backend": self.name, "model": getattr(self, "model_file", None),
-                "device": "cuda" if self.model is not None and "CUDAExecutionProvider" in self.model.session.get_providers() else "cpu",
-                "dtype": "float32"}
+        pack = self.settings.model_pack_dir
+        name = (os.path.basename(pack.rstrip("/")) if pack and not self.settings.model_path
+                else os.path.splitext(os.path.basename(getattr(self, "model_file", "") or "scrfd"))[0])
+        return {"backend": self.name, "model": getattr(self, "model_file", None), "model_name": name,
+                "device": getattr(self, "device", None), "dtype": "float32"}
 
 
 BACKENDS = {"centerface": CenterFaceBackend, "haar": HaarBackend, "insightface": InsightFaceBackend}

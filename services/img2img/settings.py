@@ -12,9 +12,10 @@ SCHEDULERS = ("default", "ddim", "euler", "euler_a", "dpmpp_2m", "lms", "pndm", 
 
 
 class Img2ImgSettings(RuntimeSettings):
-    max_batch_size: int = Field(1, ge=1, le=1, description="img2img runs one request at a time")
-    request_timeout_s: float = Field(120.0, gt=0, le=3600)
-    inference_timeout_s: float = Field(300.0, gt=0, le=86400)
+    max_batch_size: int = Field(8, ge=1, le=64,
+                                description="compatible requests run as one pipeline call of up to this many images")
+    request_timeout_s: float = Field(120.0, gt=0, le=3600, allow_inf_nan=False)
+    inference_timeout_s: float = Field(300.0, gt=0, le=86400, allow_inf_nan=False)
     backend: Literal["style", "diffusers"] = "style"
     max_side: int = Field(1024, ge=64, le=4096, description="long side the input is resized to")
     model_path: str | None = Field(None, description="diffusers: a local Stable Diffusion model directory")
@@ -24,6 +25,8 @@ class Img2ImgSettings(RuntimeSettings):
     default_steps: int = Field(20, ge=1, le=150)
     max_steps: int = Field(100, ge=1, le=1000)
     max_prompt_chars: int = Field(2000, ge=1, le=100_000)
+    max_images: int = Field(16, ge=1, le=256, description="webui: batch_size x n_iter per request at most")
+    default_format: Literal["png", "jpeg", "webp"] = Field("png", description="output format when the client names none")
 
     @model_validator(mode="after")
     def _diffusers_needs_a_model(self) -> "Img2ImgSettings":

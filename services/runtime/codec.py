@@ -1,10 +1,12 @@
-"""Image input and output: three input forms, limits checked before the work, decode once.
+"""Images in and out, with the cost of a decode bounded by limits checked before it.
 
-Input: a raw body with an ``image/*`` content type, multipart field ``image``, or JSON
-``{"image": "<base64>"}``. The body size is capped while it is read (413); the
-dimensions are read from the header before any pixel is decoded (413 for a pixel
-bomb); only JPEG, PNG, WebP and BMP are opened (415 for anything else, so that no
-exotic decoder ever sees a caller's bytes); a corrupt image is 400.
+Only JPEG, PNG, WebP and BMP are opened (415 for anything else, so that no exotic
+decoder ever sees a caller's bytes). Before any pixel is decoded: the dimensions from
+the header (413 for a pixel bomb) and, for JPEG, the number of scans and segments from
+a marker walk (413 for a scan bomb). A JPEG that the model will shrink anyway is
+decoded at reduced scale by libjpeg's DCT scaling (``draft``), for a fraction of the
+cost. EXIF orientation is applied, so pixels are as the camera meant them. Everything
+here is CPU work: the runtime calls it in its executor, never on the event loop.
 """
 
 from __future__ import annotations
@@ -12,67 +14,54 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import json
-import time
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
-from starlette.requests import Request
+from PIL import Image, ImageOps, UnidentifiedImageError
 
+from services.runtime import jpeg
 from services.runtime.errors import ApiError
 
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP")
 OUTPUT_FORMATS = {"png": ("PNG", "image/png"), "jpeg": ("JPEG", "image/jpeg"), "webp": ("WEBP", "image/webp")}
+MIME_TO_FORMAT = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg", "image/webp": "webp"}
 # our own pixel check runs first; PIL's must not raise a different error for the same thing
 Image.MAX_IMAGE_PIXELS = None
+_SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"BM")
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    max_pixels: int
+    max_jpeg_scans: int = 32
+    max_image_markers: int = 512
 
 
 @dataclass
 class DecodedImage:
-    rgb: np.ndarray          # H x W x 3, uint8
-    width: int
+    rgb: np.ndarray      # H x W x 3, uint8; possibly reduced (see scale)
+    width: int           # the image's size as oriented, before any reduction
     height: int
     format: str
-
-
-@dataclass
-class ImageRequest:
-    image: DecodedImage
-    params: dict[str, Any] = field(default_factory=dict)  # other fields of a JSON or multipart body
-    raw_image: bytes = b""
-
-
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            if int(declared) > max_bytes:
-                raise ApiError(413, "body_too_large", f"body of {declared} bytes is over the limit of {max_bytes}")
-        except ValueError:
-            raise ApiError(400, "bad_request", "invalid Content-Length") from None
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise ApiError(413, "body_too_large", f"body is over the limit of {max_bytes} bytes")
-        chunks.append(chunk)
-    body = b"".join(chunks)
-    request._body = body  # later form() parsing reads this instead of the spent stream
-    return body
-
-
-SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"BM")
+    scale: float = 1.0   # rgb width / width: < 1 when decoded at reduced scale
 
 
 def _looks_allowed(data: bytes) -> bool:
-    return data.startswith(SIGNATURES) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP")
+    return data.startswith(_SIGNATURES) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP")
 
 
-def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
+def decode_image(data: bytes, limits: DecodeLimits, max_side: int | None = None) -> DecodedImage:
+    """Decode once, within limits; `max_side` lets a JPEG decode at reduced scale (never
+    below max_side on its long side: the caller resizes the rest of the way)."""
     if not data:
         raise ApiError(400, "empty_image", "the image is empty")
+    if data[:2] == b"\xff\xd8":
+        try:
+            jpeg.walk(data, limits.max_jpeg_scans, limits.max_image_markers)
+        except jpeg.JpegLimitError as exc:
+            raise ApiError(413, "image_too_complex", f"{exc}: decoding it would cost too much") from None
     try:
         im = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
     except UnidentifiedImageError:
@@ -84,72 +73,69 @@ def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
     width, height = im.size
     if width <= 0 or height <= 0:
         raise ApiError(400, "corrupt_image", "the image has no pixels")
-    if width * height > max_pixels:
+    if width * height > limits.max_pixels:
         raise ApiError(413, "too_many_pixels",
-                       f"{width}x{height} = {width * height} pixels is over the limit of {max_pixels}")
+                       f"{width}x{height} = {width * height} pixels is over the limit of {limits.max_pixels}")
+    fmt = im.format or ""
     try:
+        orientation = im.getexif().get(0x0112, 1)
+    except Exception:  # noqa: BLE001 - a broken EXIF block is not worth refusing the image for
+        orientation = 1
+    if orientation in (5, 6, 7, 8):
+        width, height = height, width
+    try:
+        if fmt == "JPEG" and max_side and max(width, height) > 2 * max_side:
+            s = max_side / max(width, height)
+            im.draft(None, (math.ceil(im.size[0] * s), math.ceil(im.size[1] * s)))
         im.load()
-        rgb = np.asarray(im.convert("RGB"))
+        if orientation != 1:
+            im = ImageOps.exif_transpose(im)
+        if im.mode != "RGB":
+            im = im.convert("RGB")
+        rgb = np.asarray(im)
+    except ApiError:
+        raise
     except Exception as exc:  # noqa: BLE001
         raise ApiError(400, "corrupt_image", f"cannot decode the image: {exc}") from None
-    return DecodedImage(rgb, width, height, im.format or "")
+    return DecodedImage(rgb, width, height, fmt, rgb.shape[1] / width)
 
 
-def decode_base64(text: Any, name: str) -> bytes:
+def decode_base64(text: Any, name: str, max_bytes: int | None = None) -> bytes:
     """A base64 field (a data: URL prefix is allowed); 422 when not a string, 400 when garbled."""
     if not isinstance(text, str):
         raise ApiError(422, "invalid_parameter", f"{name}: expected a base64 string")
     if text.startswith("data:"):
         text = text.partition(",")[2]
+    if max_bytes is not None and len(text) * 3 // 4 > max_bytes:
+        raise ApiError(413, "body_too_large", f"{name}: over the limit of {max_bytes} bytes")
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise ApiError(400, "bad_base64", f"{name}: not valid base64") from None
 
 
-async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
-    body = await read_body(request, max_bytes)
-    try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raise ApiError(400, "bad_json", "the body is not valid JSON") from None
-    if not isinstance(doc, dict):
-        raise ApiError(422, "invalid_parameter", "body: expected a JSON object")
-    return doc
+def choose_format(asked: str | None, accept: str, default: str = "png") -> str:
+    """The output format: the one asked for, else the first image type Accept names."""
+    if asked:
+        return asked
+    for item in accept.split(","):
+        mime = item.split(";", 1)[0].strip().lower()
+        if mime in MIME_TO_FORMAT:
+            return MIME_TO_FORMAT[mime]
+    return default
 
 
-async def read_image_request(request: Request, max_bytes: int, max_pixels: int,
-                             image_field: str = "image") -> ImageRequest:
-    ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if ctype.startswith("image/"):
-        data = await read_body(request, max_bytes)
-        return ImageRequest(decode_image(data, max_pixels), {}, data)
-    if ctype == "application/json":
-        doc = await read_json_object(request, max_bytes)
-        if image_field not in doc:
-            raise ApiError(422, "invalid_parameter", f"{image_field}: field required")
-        data = decode_base64(doc.pop(image_field), image_field)
-        return ImageRequest(decode_image(data, max_pixels), doc, data)
-    if ctype == "multipart/form-data":
-        await read_body(request, max_bytes)
-        try:
-            form = await request.form(max_files=4, max_fields=64)
-        except Exception as exc:  # noqa: BLE001 - a broken multipart body is the caller's
-            raise ApiError(400, "bad_multipart", f"cannot parse the multipart body: {exc}") from None
-        part = form.get(image_field)
-        if part is None or isinstance(part, str):
-            raise ApiError(422, "invalid_parameter", f"{image_field}: expected a file field")
-        data = await part.read()
-        params = {k: v for k, v in form.items() if k != image_field and isinstance(v, str)}
-        return ImageRequest(decode_image(data, max_pixels), params, data)
-    raise ApiError(415, "unsupported_media_type",
-                   f"content type {ctype or '(none)'!r}: send image/*, multipart/form-data or application/json")
-
-
-def encode_image(rgb: np.ndarray, fmt: str, quality: int = 90) -> tuple[bytes, str]:
+def encode_image(rgb: np.ndarray, fmt: str, quality: int | None = None) -> tuple[bytes, str]:
+    """Encoder settings favour speed: PNG at the lowest compression level, WebP at its
+    fastest method; JPEG quality 90 unless asked."""
     pil_fmt, mime = OUTPUT_FORMATS[fmt]
     buf = io.BytesIO()
-    kwargs = {"quality": quality} if pil_fmt in ("JPEG", "WEBP") else {"compress_level": 1}
+    if pil_fmt == "PNG":
+        kwargs: dict[str, Any] = {"compress_level": 1}
+    elif pil_fmt == "JPEG":
+        kwargs = {"quality": quality or 90}
+    else:
+        kwargs = {"quality": quality or 85, "method": 0}
     Image.fromarray(rgb).save(buf, format=pil_fmt, **kwargs)
     return buf.getvalue(), mime
 
@@ -159,8 +145,9 @@ class Timing:
 
     STAGES = ("decode", "queue", "infer", "encode")
 
-    def __init__(self):
-        self.t0 = time.perf_counter()
+    def __init__(self, t0: float | None = None):
+        import time
+        self.t0 = time.perf_counter() if t0 is None else t0
         self.stages: dict[str, float] = {}
 
     def add(self, stage: str, seconds: float) -> None:

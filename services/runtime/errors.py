@@ -23,6 +23,35 @@ class ClientGone(Exception):
     """The client disconnected before its work started; nobody is listening for an answer."""
 
 
+ERROR_SCHEMA = {
+    "title": "Error", "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["code", "message"], "properties": {
+        "code": {"type": "string", "description": "stable, machine-readable"},
+        "message": {"type": "string", "description": "for people; names the field or limit at fault"}}}},
+}
+
+
+ERROR_STATUSES = {
+    400: "the request is malformed (corrupt image, bad JSON, JSON nested too deep)",
+    401: "missing or wrong credentials",
+    408: "the request did not arrive in time",
+    413: "body, image or decode cost over a limit",
+    415: "unsupported content type or image format",
+    422: "a parameter is invalid (the message names it)",
+    431: "request headers too large",
+    499: "the client closed the connection before its answer",
+    500: "unexpected failure (the message carries an id that is also in the log)",
+    503: "overloaded, still loading, or out of GPU memory (Retry-After says when to retry)",
+    504: "the request deadline passed",
+}
+
+
+def error_responses(statuses: tuple[int, ...] | None = None) -> dict[int, dict]:
+    """OpenAPI responses for the error envelope."""
+    ref = {"application/json": {"schema": ERROR_SCHEMA}}
+    return {s: {"description": ERROR_STATUSES[s], "content": ref} for s in (statuses or ERROR_STATUSES)}
+
+
 def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
 

@@ -1,5 +1,11 @@
 """GPU helpers shared by services: the memory budget the supervisor planned, applied with
-each backend's own means (onnxruntime's CUDA arena limit, torch's per-process fraction)."""
+each backend's own means (onnxruntime's CUDA arena limit, torch's per-process fraction),
+and the check that a model asked to run on CUDA really does.
+
+NVML numbers devices physically; CUDA numbers the visible ones. The card a service
+uses is the first of ``CUDA_VISIBLE_DEVICES`` (an index or a UUID), looked up in NVML
+accordingly, never NVML's device 0 by default.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +13,31 @@ import os
 from typing import Any
 
 
+def _nvml_handle(nvml: Any) -> Any:
+    first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip() or "0"
+    if first.isdigit():
+        return nvml.nvmlDeviceGetHandleByIndex(int(first))
+    return nvml.nvmlDeviceGetHandleByUUID(first)
+
+
 def total_gpu_memory() -> int | None:
+    """The size of this service's card from NVML, or None (no GPU, driver or library)."""
     try:
         import pynvml
         pynvml.nvmlInit()
         try:
-            return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total)
+            return int(pynvml.nvmlDeviceGetMemoryInfo(_nvml_handle(pynvml)).total)
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # noqa: BLE001 - no GPU, no driver, no library: no budget to compute
         return None
+
+
+def cuda_expected() -> bool:
+    """True when a GPU is visible to this process (so running on the CPU is a fallback)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "0").strip() in ("", "-1", "none", "None"):
+        return False
+    return total_gpu_memory() is not None
 
 
 def budget_bytes(total: int | None = None) -> int | None:
@@ -30,13 +51,15 @@ def budget_bytes(total: int | None = None) -> int | None:
     return None
 
 
-def ort_providers(device: str) -> list[Any]:
+def ort_providers(device: str, available: list[str] | None = None) -> list[Any]:
     """onnxruntime providers for 'auto', 'cpu' or 'cuda', with the CUDA arena capped."""
-    import onnxruntime as ort
-    available = ort.get_available_providers()
+    if available is None:
+        import onnxruntime as ort
+        available = ort.get_available_providers()
     want_cuda = device in ("auto", "cuda") and "CUDAExecutionProvider" in available
     if device == "cuda" and not want_cuda:
-        raise RuntimeError("device 'cuda' asked for, but onnxruntime has no CUDAExecutionProvider here")
+        raise RuntimeError("device 'cuda' asked for, but this onnxruntime build has no CUDAExecutionProvider "
+                           f"(available: {', '.join(available)}); install onnxruntime-gpu")
     if not want_cuda:
         return ["CPUExecutionProvider"]
     options: dict[str, Any] = {"device_id": 0, "arena_extend_strategy": "kSameAsRequested"}
@@ -44,6 +67,17 @@ def ort_providers(device: str) -> list[Any]:
     if limit is not None:
         options["gpu_mem_limit"] = limit
     return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
+
+
+def check_session_device(session: Any, device: str) -> str:
+    """'cuda' or 'cpu' as the session really runs. onnxruntime drops the CUDA provider
+    silently when its libraries do not load; asked for 'cuda', that is an error."""
+    got = session.get_providers()
+    on_cuda = "CUDAExecutionProvider" in got
+    if device == "cuda" and not on_cuda:
+        raise RuntimeError("device 'cuda' asked for, but onnxruntime could not load its CUDA provider "
+                           f"(the session runs on {', '.join(got)}): check the CUDA and cuDNN libraries")
+    return "cuda" if on_cuda else "cpu"
 
 
 def apply_torch_budget(torch: Any, device_index: int = 0) -> float | None:

@@ -1,51 +1,95 @@
-"""Prometheus metrics of one service, and the short figures the supervisor reads on /stats."""
+"""Prometheus metrics of one service, and the short figures the supervisor reads on /stats.
+
+Every API route has its end-to-end latency by route and status; model routes also have
+their stages (decode, queue, infer, encode). The figures `onecard status` shows (served,
+p50, p99) count model work only: a 1 ms progress poll is not a served generation.
+"""
 
 from __future__ import annotations
 
 import collections
+import platform
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
-STAGE_BUCKETS = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
+STAGE_BUCKETS = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+REQUEST_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 3600)
+
+
+def _version() -> str:
+    try:
+        import importlib.metadata
+        return importlib.metadata.version("onecard")
+    except Exception:  # noqa: BLE001 - running from a source tree
+        return "0+unknown"
+
+
+class _ConnectionCollector:
+    """Counters the HTTP protocol keeps (refused, timed out, oversized headers)."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def collect(self):
+        for name, attr, text in (
+                ("onecard_connections_refused", "refused", "Connections refused beyond max_connections."),
+                ("onecard_requests_timed_out", "timed_out", "Requests not received within their deadline (408)."),
+                ("onecard_headers_too_large", "headers_too_large", "Requests refused for oversized headers (431)."),
+                ("onecard_bad_http_requests", "bad_requests", "Requests that were not valid HTTP (400).")):
+            fam = CounterMetricFamily(name, text)
+            fam.add_metric([], getattr(self.stats, attr))
+            yield fam
 
 
 class ServiceMetrics:
-    def __init__(self, service: str):
+    def __init__(self, service: str, connection_stats=None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("onecard_requests", "Requests by route and status.",
                                 ["route", "status"], registry=r)
-        self.stage = Histogram("onecard_stage_seconds", "Time per request stage.", ["stage"],
-                               buckets=STAGE_BUCKETS, registry=r)
-        self.batch_size = Histogram("onecard_batch_size", "Requests per model call.",
-                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
-        self.queue_depth = Gauge("onecard_queue_depth", "Requests waiting for the model.", registry=r)
-        self.in_flight = Gauge("onecard_in_flight", "Requests on the model now.", registry=r)
+        self.latency = Histogram("onecard_request_duration_seconds", "End-to-end request latency by route and status.",
+                                 ["route", "status"], buckets=REQUEST_BUCKETS, registry=r)
+        self.stage = Histogram("onecard_stage_seconds", "Time per model request stage, by route.",
+                               ["route", "stage"], buckets=STAGE_BUCKETS, registry=r)
+        self.batch_size = Histogram("onecard_batch_size", "Items per model call.",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256), registry=r)
+        self.queue_depth = Gauge("onecard_queue_depth", "Admitted requests not yet on the model.", registry=r)
+        self.in_flight = Gauge("onecard_in_flight", "Items on the model now.", registry=r)
         self.gpu_memory = Gauge("onecard_gpu_memory_bytes", "GPU memory this service holds (self-reported).",
                                 registry=r)
-        self.dropped = Counter("onecard_dropped", "Requests dropped before the model, by reason.",
+        self.dropped = Counter("onecard_dropped", "Requests dropped before or during the model, by reason.",
                                ["reason"], registry=r)
+        self.build = Gauge("onecard_build_info", "Build of this service (value 1).",
+                           ["version", "service", "python"], registry=r)
+        self.build.labels(_version(), service, platform.python_version()).set(1)
+        if connection_stats is not None:
+            r.register(_ConnectionCollector(connection_stats))
         self._lat: collections.deque[float] = collections.deque(maxlen=2048)
         self._lock = threading.Lock()
         self.served = 0
         self.errors = 0
 
-    def observe_request(self, route: str, status: int, seconds: float | None) -> None:
+    def observe_request(self, route: str, status: int, seconds: float, model: bool) -> None:
         self.requests.labels(route, str(status)).inc()
-        if status < 400 and seconds is not None:
-            with self._lock:
+        self.latency.labels(route, str(status)).observe(seconds)
+        if not model:
+            return
+        with self._lock:
+            if status < 400:
                 self.served += 1
                 self._lat.append(seconds)
-        elif status >= 500:
-            self.errors += 1
+            elif status >= 500 and status not in (503, 504):
+                self.errors += 1
 
     def latency_percentiles(self) -> tuple[float | None, float | None]:
         with self._lock:
             data = sorted(self._lat)
         if not data:
             return None, None
-        def q(p):
+
+        def q(p: float) -> float:
             return data[min(len(data) - 1, int(round(p * (len(data) - 1))))]
         return q(0.5), q(0.99)
 

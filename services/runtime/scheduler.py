@@ -1,12 +1,16 @@
-"""From an admitted request to a model result: queueing, batching, deadlines, disconnects.
+"""From decoded requests to model results: one FIFO queue, batches, deadlines, cancellation.
 
-Every model call runs on one worker thread (the "GPU worker") and under the
-service's FifoLock, so GPU work is serialized in arrival order. Requests wait either
-on the lock itself (backends without batching) or in the batch queue, which is FIFO
-too; the batch loop then takes the lock for each batch.
+A request brings one or more items (a webui call with ``batch_size = 4`` brings four)
+and a compatibility key: only items with equal keys may share a model call. The batch
+loop always starts a batch with the OLDEST waiting item and adds the compatible items
+behind it in arrival order, up to ``max_batch_size``: nothing overtakes the head of the
+queue, so nothing starves. Every model call runs on the one GPU worker thread, under
+the service's FifoLock.
 
-A request is dropped before it costs model time when its deadline has passed (504)
-or its client has gone; over `max_queue` waiting, it is refused at once (503).
+A request whose client leaves, or whose deadline passes, is dropped before it costs
+model time. Once running, an item that can stop between steps (it has a ``cancel``
+event) is told to; its batch carries on for the others, and the backend stops the call
+when every item in it is cancelled.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
+from services.runtime.admission import Ticket
 from services.runtime.backend import Backend, is_out_of_memory
 from services.runtime.codec import Timing
 from services.runtime.errors import ApiError, ClientGone
@@ -66,35 +72,56 @@ async def wait_disconnect(receive: Callable) -> None:
             return
 
 
-@dataclass
-class _Item:
-    payload: Any
+@dataclass(eq=False)
+class Job:
+    """One request's items on their way through the queue (compared by identity)."""
+    items: list[Any]
+    key: Hashable
     deadline: float
     enqueued: float
     future: asyncio.Future
-    started: bool = False
-    dropped: bool = False
+    ticket: Ticket | None = None
+    results: list[Any] = field(default_factory=list)
+    remaining: int = 0
+    started_at: float | None = None
+    infer_s: float = 0.0
+    batch_sizes: list[int] = field(default_factory=list)
+    abandoned: bool = False          # nobody waits for the result any more
+
+    def cancel_items(self) -> None:
+        self.abandoned = True
+        for item in self.items:
+            event = getattr(item, "cancel", None)
+            if isinstance(event, threading.Event):
+                event.set()
+
+    @property
+    def cancellable(self) -> bool:
+        return all(isinstance(getattr(i, "cancel", None), threading.Event) for i in self.items)
 
 
-@dataclass
+@dataclass(eq=False)
+class _Entry:
+    job: Job
+    index: int
+
+
 class Scheduler:
-    backend: Backend
-    settings: RuntimeSettings
-    metrics: ServiceMetrics
-    worker: GpuWorker = field(default_factory=GpuWorker)
-
-    def __post_init__(self):
-        self.lock = FifoLock()  # queue wait is observed per request as the "queue" stage
-        self.batching = self.backend.supports_batching and self.settings.max_batch_size > 1
-        self._pending: collections.deque[_Item] = collections.deque()
+    def __init__(self, backend: Backend, settings: RuntimeSettings, metrics: ServiceMetrics,
+                 worker: GpuWorker | None = None):
+        self.backend, self.settings, self.metrics = backend, settings, metrics
+        self.worker = worker or GpuWorker()
+        self.lock = FifoLock()
+        self.max_batch = settings.max_batch_size if backend.supports_batching else 1
+        self.batching = self.max_batch > 1
+        self._pending: collections.deque[_Entry] = collections.deque()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.in_flight = 0
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
-        if self.batching:
-            self._loop_task = asyncio.get_running_loop().create_task(self._batch_loop())
+        self._loop_task = asyncio.get_running_loop().create_task(self._batch_loop(), name="onecard-batch-loop")
 
     async def stop(self) -> None:
         if self._loop_task is not None:
@@ -103,8 +130,9 @@ class Scheduler:
         self.worker.shutdown()
 
     def problem(self) -> str | None:
-        """Why the model side cannot serve (for /healthz), or None."""
-        if self._loop_task is not None and self._loop_task.done():
+        """Why the model side cannot serve (for /healthz), or None. Thread-safe reads only."""
+        task = self._loop_task
+        if task is not None and task.done():
             return "the batch loop has stopped"
         busy = self.worker.busy_for()
         if busy > self.settings.inference_timeout_s:
@@ -112,110 +140,104 @@ class Scheduler:
         return None
 
     @property
-    def queue_depth(self) -> int:
-        return len(self._pending) if self.batching else self.lock.waiting
+    def pending_items(self) -> int:
+        return len(self._pending)
 
     # ---- the one entry point ----------------------------------------------------------
-    async def submit(self, payload: Any, timing: Timing, receive: Callable | None) -> Any:
-        s = self.settings
-        would_wait = self.lock.locked() or self.queue_depth > 0
-        if would_wait and self.queue_depth >= s.max_queue:  # max_queue 0: only straight to the model
-            self.metrics.dropped.labels("queue_full").inc()
-            raise ApiError(503, "overloaded", f"{self.queue_depth} requests are waiting (max_queue {s.max_queue})",
-                           {"Retry-After": str(s.retry_after_s)})
-        deadline = timing.t0 + s.request_timeout_s
+    async def submit(self, items: list[Any], key: Hashable, timing: Timing, receive: Callable | None,
+                     ticket: Ticket | None = None) -> list[Any]:
+        """Results for `items`, in order. Raises ApiError (504, 503) or ClientGone."""
+        loop = asyncio.get_running_loop()
+        job = Job(items, key, timing.t0 + self.settings.request_timeout_s, time.perf_counter(),
+                  loop.create_future(), ticket, [None] * len(items), len(items))
+        for i in range(len(items)):
+            self._pending.append(_Entry(job, i))
+        self._wake.set()
         gone = asyncio.ensure_future(wait_disconnect(receive)) if receive is not None else None
-        self.metrics.queue_depth.set(self.queue_depth + 1)
         try:
-            if self.batching:
-                return await self._submit_batched(payload, deadline, timing, gone)
-            return await self._submit_locked(payload, deadline, timing, gone)
+            return await self._await_job(job, gone, timing)
+        except asyncio.CancelledError:  # the drain ran out of time: stop its work too
+            self._abandon(job, "shutdown")
+            raise
         finally:
             if gone is not None:
                 gone.cancel()
-            self.metrics.queue_depth.set(self.queue_depth)
 
-    def _expired(self, deadline: float) -> ApiError:
-        self.metrics.dropped.labels("deadline").inc()
-        return ApiError(504, "deadline_exceeded",
-                        f"not started within the request deadline of {self.settings.request_timeout_s:g} s")
-
-    async def _submit_locked(self, payload: Any, deadline: float, timing: Timing, gone) -> Any:
-        t_wait = time.perf_counter()
-        acquire = asyncio.ensure_future(self.lock.acquire(timeout=deadline - time.perf_counter()))
-        waiters = {acquire} if gone is None else {acquire, gone}
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        if not acquire.done():  # the client went away while queued
-            acquire.cancel()
-            await asyncio.gather(acquire, return_exceptions=True)
-        if acquire.cancelled():
-            self.metrics.dropped.labels("client_gone").inc()
-            raise ClientGone()
-        if isinstance(acquire.exception(), TimeoutError):
-            raise self._expired(deadline)
-        acquire.result()  # anything else is a bug: let it surface as a 500
-        try:
-            timing.add("queue", time.perf_counter() - t_wait)
-            self.metrics.stage.labels("queue").observe(time.perf_counter() - t_wait)
-            if gone is not None and gone.done():
-                self.metrics.dropped.labels("client_gone").inc()
+    async def _await_job(self, job: Job, gone: asyncio.Future | None, timing: Timing) -> list[Any]:
+        waiters = {job.future} if gone is None else {job.future, gone}
+        while True:
+            left = job.deadline - time.perf_counter()
+            done, _ = await asyncio.wait(waiters, timeout=max(0.0, left), return_when=asyncio.FIRST_COMPLETED)
+            if job.future in done:
+                self._stage_times(job, timing)
+                return job.future.result()
+            if gone is not None and gone in done:
+                self._abandon(job, "client_gone")
                 raise ClientGone()
-            if time.perf_counter() > deadline:
-                raise self._expired(deadline)
-            results, stopped_because = await self._run_cancellable(payload, deadline, timing, gone)
-        finally:
-            self.lock.release()
-        if stopped_because == "client":
-            self.metrics.dropped.labels("client_gone").inc()
-            raise ClientGone()
-        if stopped_because == "deadline":
-            self.metrics.dropped.labels("deadline").inc()
-            raise ApiError(504, "deadline_exceeded",
-                           f"stopped at the request deadline of {self.settings.request_timeout_s:g} s")
-        return self._unwrap(results[0])
+            # the deadline passed
+            if job.started_at is None:
+                self._abandon(job, "deadline")
+                raise ApiError(504, "deadline_exceeded",
+                               f"not started within the request deadline of {self.settings.request_timeout_s:g} s")
+            if job.cancellable:
+                self._abandon(job, "deadline")
+                raise ApiError(504, "deadline_exceeded",
+                               f"stopped at the request deadline of {self.settings.request_timeout_s:g} s")
+            # a call that cannot stop midway is short: wait for it, still watching the client
+            waiters = {job.future} if gone is None else {job.future, gone}
+            job.deadline = float("inf")
 
-    async def _run_cancellable(self, payload: Any, deadline: float, timing: Timing, gone) -> tuple[list, str]:
-        """Run one item; a payload with a `cancel` event is told to stop (between steps)
-        when its client leaves or its deadline passes."""
-        run = asyncio.ensure_future(self._run_batch([payload], timing))
-        cancel = getattr(payload, "cancel", None)
-        if cancel is None:
-            return await run, ""
-        watch = {run} if gone is None else {run, gone}
-        done, _ = await asyncio.wait(watch, timeout=max(0.0, deadline - time.perf_counter()),
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if run in done:
-            return run.result(), ""
-        cancel.set()
-        why = "client" if gone is not None and gone.done() else "deadline"
-        return await run, why
+    def _abandon(self, job: Job, reason: str) -> None:
+        """Nobody waits for this job any more: out of the queue now, told to stop if running."""
+        if job.abandoned:
+            return
+        job.cancel_items()
+        self.metrics.dropped.labels(reason).inc()
+        if job.started_at is None:
+            self._pending = collections.deque(e for e in self._pending if e.job is not job)
+        if not job.future.done():
+            job.future.cancel()
 
-    async def _submit_batched(self, payload: Any, deadline: float, timing: Timing, gone) -> Any:
-        item = _Item(payload, deadline, time.perf_counter(), asyncio.get_running_loop().create_future())
-        self._pending.append(item)
-        self._wake.set()
-        waiters = {item.future} if gone is None else {item.future, gone}
-        await asyncio.wait(waiters, timeout=max(0.0, deadline - time.perf_counter()),
-                           return_when=asyncio.FIRST_COMPLETED)
-        if not item.future.done() and not item.started:
-            item.dropped = True
-            try:
-                self._pending.remove(item)
-            except ValueError:
-                pass
-            if gone is not None and gone.done():
-                self.metrics.dropped.labels("client_gone").inc()
-                raise ClientGone()
-            raise self._expired(deadline)
-        result = await item.future
-        timing.stages.update(getattr(item, "timing", {}))
-        return self._unwrap(result)
+    def _stage_times(self, job: Job, timing: Timing) -> None:
+        if job.started_at is not None:
+            timing.add("queue", job.started_at - job.enqueued)
+            timing.add("infer", job.infer_s)
 
-    @staticmethod
-    def _unwrap(result: Any) -> Any:
-        if isinstance(result, BaseException):
-            raise result
-        return result
+    # ---- the batch loop ---------------------------------------------------------------
+    def _take_batch(self) -> list[_Entry]:
+        """The oldest live entry and the compatible ones behind it, in arrival order."""
+        now = time.perf_counter()
+        while self._pending:
+            head = self._pending[0]
+            if head.job.abandoned:
+                self._pending.popleft()
+                continue
+            if head.job.started_at is None and now > head.job.deadline:
+                self._pending.popleft()
+                self._expire(head.job)
+                continue
+            break
+        if not self._pending:
+            return []
+        key = self._pending[0].job.key
+        batch: list[_Entry] = []
+        rest: collections.deque[_Entry] = collections.deque()
+        for entry in self._pending:
+            job = entry.job
+            if (len(batch) < self.max_batch and not job.abandoned and job.key == key
+                    and (job.started_at is not None or now <= job.deadline)):
+                batch.append(entry)
+            elif not job.abandoned:
+                rest.append(entry)
+        self._pending = rest
+        return batch
+
+    def _expire(self, job: Job) -> None:
+        if not job.future.done():
+            job.future.set_exception(ApiError(
+                504, "deadline_exceeded",
+                f"not started within the request deadline of {self.settings.request_timeout_s:g} s"))
+        self._abandon(job, "deadline")
 
     async def _batch_loop(self) -> None:
         s = self.settings
@@ -223,83 +245,91 @@ class Scheduler:
             while not self._pending:
                 self._wake.clear()
                 await self._wake.wait()
-            fill_until = time.perf_counter() + s.max_wait_ms / 1000
-            while len(self._pending) < s.max_batch_size:
-                left = fill_until - time.perf_counter()
-                if left <= 0:
-                    break
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), left)
-                except asyncio.TimeoutError:
-                    break
-            batch: list[_Item] = []
-            now = time.perf_counter()
-            while self._pending and len(batch) < s.max_batch_size:
-                item = self._pending.popleft()
-                if item.dropped or item.future.done():
-                    continue
-                if now > item.deadline:
-                    item.future.set_result(self._expired(item.deadline))
-                    continue
-                batch.append(item)
-            if not batch:
-                continue
-            await self.lock.acquire()
-            try:
-                for item in batch:
-                    item.started = True
-                    item.timing = {"queue": time.perf_counter() - item.enqueued}  # type: ignore[attr-defined]
-                    self.metrics.stage.labels("queue").observe(item.timing["queue"])
-                timing = Timing()
-                results = await self._run_batch([i.payload for i in batch], timing)
-            except Exception as exc:  # noqa: BLE001 - delivered to every waiter of the batch
-                results = [exc] * len(batch)
-                timing = Timing()
-            finally:
-                self.lock.release()
-            for item, result in zip(batch, results):
-                item.timing.update(timing.stages)  # type: ignore[attr-defined]
-                if not item.future.done():
-                    item.future.set_result(result)
+            if s.max_wait_ms > 0 and self.batching:
+                fill_until = self._pending[0].job.enqueued + s.max_wait_ms / 1000
+                while len(self._pending) < self.max_batch:
+                    left = fill_until - time.perf_counter()
+                    if left <= 0:
+                        break
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), left)
+                    except asyncio.TimeoutError:
+                        break
+            batch = self._take_batch()
+            if batch:
+                await self._run(batch)
 
-    async def _run_batch(self, payloads: list[Any], timing: Timing) -> list[Any]:
+    async def _run(self, batch: list[_Entry]) -> None:
+        await self.lock.acquire()
+        t0 = time.perf_counter()
+        try:
+            for entry in batch:
+                job = entry.job
+                if job.started_at is None:
+                    job.started_at = t0
+                    if job.ticket is not None:
+                        job.ticket.started()
+            results = await self._infer([e.job.items[e.index] for e in batch])
+        finally:
+            self.lock.release()
+        dt = time.perf_counter() - t0
+        for entry, result in zip(batch, results):
+            job = entry.job
+            job.results[entry.index] = result
+            job.infer_s += dt
+            job.batch_sizes.append(len(batch))
+            job.remaining -= 1
+            if job.remaining == 0 and not job.future.done():
+                failure = next((r for r in job.results if isinstance(r, BaseException)), None)
+                if failure is not None:
+                    job.future.set_exception(failure)
+                else:
+                    job.future.set_result(job.results)
+
+    async def _infer(self, payloads: list[Any]) -> list[Any]:
         """One model call; a failing batch is retried item by item so a bad item fails alone."""
         self.in_flight += len(payloads)
         self.metrics.in_flight.set(self.in_flight)
-        t0 = time.perf_counter()
+        self.metrics.batch_size.observe(len(payloads))
         try:
-            self.metrics.batch_size.observe(len(payloads))
             try:
                 results = await self.worker.run(self.backend.infer_batch, payloads)
+                if len(results) != len(payloads):
+                    raise RuntimeError(f"backend returned {len(results)} results for {len(payloads)} items")
             except Exception as exc:  # noqa: BLE001
-                if is_out_of_memory(exc):
-                    results = [self._oom(exc)] * len(payloads)
-                elif len(payloads) == 1:
+                if len(payloads) == 1:
                     results = [exc]
                 else:
-                    results = []
-                    for p in payloads:
-                        try:
-                            results.extend(await self.worker.run(self.backend.infer_batch, [p]))
-                        except Exception as one:  # noqa: BLE001
-                            results.append(self._oom(one) if is_out_of_memory(one) else one)
-            return [self._oom(r) if isinstance(r, BaseException) and is_out_of_memory(r) else r for r in results]
+                    if is_out_of_memory(exc):
+                        self._free_memory(exc)
+                    results = [await self._infer_alone(p) for p in payloads]
+            return [self._out_of_memory(r) if isinstance(r, BaseException) and is_out_of_memory(r) else r
+                    for r in results]
         finally:
-            dt = time.perf_counter() - t0
-            timing.add("infer", dt)
-            self.metrics.stage.labels("infer").observe(dt)
             self.in_flight -= len(payloads)
             self.metrics.in_flight.set(self.in_flight)
 
-    def _oom(self, exc: BaseException) -> ApiError:
-        if isinstance(exc, ApiError):
+    async def _infer_alone(self, payload: Any) -> Any:
+        event = getattr(payload, "cancel", None)
+        if isinstance(event, threading.Event) and event.is_set():
+            return ClientGone()
+        try:
+            return (await self.worker.run(self.backend.infer_batch, [payload]))[0]
+        except Exception as exc:  # noqa: BLE001 - this item's own failure
             return exc
+
+    def _free_memory(self, exc: BaseException) -> None:
         log.warning("GPU out of memory: %s", exc)
         try:
             self.backend.on_out_of_memory()
         except Exception:  # noqa: BLE001 - freeing memory must not turn one 503 into a crash
             log.exception("freeing memory after out-of-memory failed")
+
+    def _out_of_memory(self, exc: BaseException) -> ApiError:
+        if isinstance(exc, ApiError):
+            return exc
+        self._free_memory(exc)
         self.metrics.dropped.labels("out_of_memory").inc()
         return ApiError(503, "out_of_memory", "the model ran out of GPU memory; retry later",
                         {"Retry-After": str(self.settings.retry_after_s)})

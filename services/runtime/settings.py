@@ -1,4 +1,8 @@
-"""Settings every service shares; a service's own settings model extends this one."""
+"""Settings every service shares; a service's own settings model extends this one.
+
+Every limit the runtime enforces has a key here, with the default a production user
+would expect; the README's limits table is written from these descriptions.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +14,56 @@ from pydantic import BaseModel, ConfigDict, Field
 class RuntimeSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    max_queue: int = Field(32, ge=0, le=100_000, description="requests waiting beyond this get 503")
-    max_batch_size: int = Field(8, ge=1, le=256, description="requests run together on the model")
-    max_wait_ms: float = Field(0.0, ge=0, le=10_000, description="how long a batch waits to fill up; 0: take what is queued when the model frees up")
-    request_timeout_s: float = Field(30.0, gt=0, le=3600, description="deadline: past it, 504, work not started")
-    inference_timeout_s: float = Field(60.0, gt=0, le=86400, description="a model call running longer fails /healthz")
-    max_body_bytes: int = Field(20 * 2**20, ge=1024, description="larger bodies get 413")
-    max_pixels: int = Field(40_000_000, ge=1, description="larger images get 413 (checked from the header)")
+    # ---- queueing, batching, deadlines -------------------------------------------------
+    max_queue: int = Field(32, ge=0, le=100_000,
+                           description="admitted requests not yet on the model (decoding or waiting); beyond: 503")
+    max_batch_size: int = Field(8, ge=1, le=256, description="items run together in one model call")
+    max_wait_ms: float = Field(0.0, ge=0, le=10_000, allow_inf_nan=False,
+                               description="how long a batch waits to fill up; 0: take what is queued when the model frees up")
+    request_timeout_s: float = Field(30.0, gt=0, le=3600, allow_inf_nan=False,
+                                     description="deadline from arrival: not started by then, 504 and never run")
+    inference_timeout_s: float = Field(60.0, gt=0, le=86400, allow_inf_nan=False,
+                                       description="a model call running longer fails /healthz")
     warmup_runs: int = Field(2, ge=0, le=100, description="real inferences before /readyz turns 200")
     retry_after_s: int = Field(1, ge=0, le=3600, description="Retry-After on 503")
-    api_key: str | None = Field(None, description="require this key (Bearer or X-API-Key)")
+
+    # ---- input limits ------------------------------------------------------------------
+    max_body_bytes: int = Field(20 * 2**20, ge=1024, le=2**31, description="larger bodies get 413")
+    max_pixels: int = Field(40_000_000, ge=1, le=2**31,
+                            description="larger images get 413 (read from the header before decoding)")
+    max_jpeg_scans: int = Field(32, ge=1, le=10_000,
+                                description="JPEGs with more scans (progressive passes) get 413 before decoding")
+    max_image_markers: int = Field(512, ge=8, le=100_000,
+                                   description="JPEGs with more header segments get 413 before decoding")
+    max_json_depth: int = Field(32, ge=2, le=1000, description="deeper JSON bodies get 400")
+    max_fields: int = Field(64, ge=1, le=10_000, description="multipart parts or JSON object keys at the top level")
+
+    # ---- connections and protocol ------------------------------------------------------
+    max_connections: int = Field(512, ge=1, le=1_000_000,
+                                 description="open client connections; beyond, new ones get 503 and are closed")
+    max_header_bytes: int = Field(16 * 1024, ge=1024, le=2**20,
+                                  description="request line plus headers; beyond: 431 and the connection is closed")
+    header_timeout_s: float = Field(10.0, gt=0, le=3600, allow_inf_nan=False,
+                                    description="time to receive a request's line and headers once it started; then 408")
+    body_timeout_s: float = Field(60.0, gt=0, le=3600, allow_inf_nan=False,
+                                  description="time to receive a whole request body; then 408")
+    keepalive_timeout_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False,
+                                       description="an idle kept-alive connection is closed after this")
+    loop_stall_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False,
+                                description="/healthz fails when the event loop has not run for this long")
+
+    # ---- threads -----------------------------------------------------------------------
+    cpu_workers: int | None = Field(None, ge=1, le=256,
+                                    description="threads for decode/encode; default: the service's planned threads")
+
+    # ---- auth, device, identity ----------------------------------------------------------
+    api_key: str | None = Field(None, description="require this key (Bearer or X-API-Key)", repr=False)
     api_key_env: str | None = Field(None, description="...or read the key from this environment variable")
-    device: str = Field("auto", description="'auto', 'cpu' or 'cuda'")
+    basic_auth_env: str | None = Field(None, description="HTTP Basic: an environment variable holding user:password pairs (comma-separated)")
+    basic_auth_file: str | None = Field(None, description="HTTP Basic: a file of user:password pairs (one a line)")
+    device: str = Field("auto", pattern="^(auto|cpu|cuda)$", description="'auto', 'cpu' or 'cuda'")
+    model_label: str | None = Field(None, max_length=200, pattern=r"^[\w.\-/:]+$",
+                                    description="label of the loaded model (default service/backend/model)")
 
     def resolved_api_key(self) -> str | None:
         if self.api_key:

@@ -1,13 +1,29 @@
-"""Apply the supervisor's thread plan to the libraries a service uses.
+"""Apply the supervisor's thread plan to the libraries a service uses, so that they hold
+up when the CPU is shared.
 
-The supervisor sets OMP/MKL/OPENBLAS variables; these calls cover what reads no
-variable (OpenCV, torch's pools, onnxruntime sessions).
+The supervisor plans N threads per service from the container's CPU quota and sets
+OMP/MKL/OPENBLAS variables; these calls cover what reads no variable (OpenCV, torch's
+pools, onnxruntime sessions). Under contention the cost is not the thread count alone
+but spinning: OpenMP and onnxruntime workers busy-wait between parallel regions, and
+with a neighbour on the same cores a 40-step diffusion on CPU ran 20x slower. So waits
+are passive (``OMP_WAIT_POLICY=PASSIVE``, onnxruntime's ``allow_spinning = 0``), torch's
+inter-op pool has one thread, and onnxruntime runs sequentially.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+
+# Set before any OpenMP runtime loads (serve.py applies them first thing); a value
+# the operator set in the service's env wins.
+PASSIVE_WAIT_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0", "GOMP_SPINCOUNT": "0"}
+
+
+def set_passive_waits(environ: dict | None = None) -> None:
+    env = os.environ if environ is None else environ
+    for key, value in PASSIVE_WAIT_ENV.items():
+        env.setdefault(key, value)
 
 
 def planned_threads() -> int:
@@ -38,4 +54,6 @@ def ort_session_options(n: int):
     opts.intra_op_num_threads = n
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
     return opts

@@ -1,81 +1,151 @@
 """A service on the real runtime with a scripted model, for admission/batching/fault tests.
 
-POST /api/v1/echo?id=X&sleep=S&mode=M with an image body. The backend sleeps S
-seconds per batch (the longest asked), records every id it sees (GET /seen), and
-per mode: "bad" fails that item alone (ValueError), "oom" raises CUDA's OOM text for
-the batch, "torch_oom" raises torch.cuda.OutOfMemoryError, "boom" raises an unexpected error in the route, "hang" blocks the model.
+POST /api/v1/echo?id=X&sleep=S&mode=M[&key=K&items=N&cancellable=1&decode_sleep=D] with an
+image body; GET /block?s=S stalls the event loop on purpose. The backend sleeps S seconds per batch (the longest asked), records every id
+it sees (GET /seen), and per mode: "bad" fails that item alone (422), "oom" raises
+CUDA's OOM text for the batch, "torch_oom" raises torch.cuda.OutOfMemoryError, "boom"
+raises an unexpected error in decode, "hang" blocks the model. `key` sets the batching
+key (items with different keys never share a batch), `items` makes the request bring N
+items, `cancellable=1` gives items a cancel event that the model checks every 50 ms
+(like diffusion steps; stopped ids are recorded), `decode_sleep` holds the decode hook.
+
+Settings (besides the runtime's): batching (bool), warmup_sleep_s (each warm-up
+inference sleeps this long), fail_load (raise in load).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from services.runtime.app import ServiceContext, create_service_app
 from services.runtime.backend import Backend
-from services.runtime.codec import Timing
 from services.runtime.errors import ApiError
+from services.runtime.inputs import read_image_input
+from services.runtime.params import Bool, Float, Int, Params, Str, validate
+from services.runtime.pipeline import ModelRoute, Work, json_reply
 from services.runtime.settings import RuntimeSettings
+
+
+class EchoParams(Params):
+    id: Str = ""
+    sleep: Float = 0.0
+    mode: Str = ""
+    key: Str = ""
+    items: Int = 1
+    cancellable: Bool = False
+    decode_sleep: Float = 0.0
+
+
+@dataclass(eq=False)
+class EchoItem:
+    id: str
+    sleep: float
+    mode: str
+    cancel: threading.Event | None = None
+
+
+@dataclass
+class Record:
+    seen: list[str] = field(default_factory=list)
+    batches: list[list[str]] = field(default_factory=list)
+    stopped: list[str] = field(default_factory=list)
+    warmups: int = 0
+    freed: int = 0
 
 
 class ScriptedBackend(Backend):
     name = "scripted"
 
-    def __init__(self, batching: bool):
+    def __init__(self, batching: bool, warmup_sleep_s: float, fail_load: bool):
         self.supports_batching = batching
-        self.seen: list[str] = []
-        self.batches: list[list[str]] = []
-        self.freed = 0
+        self.warmup_sleep_s = warmup_sleep_s
+        self.fail_load = fail_load
+        self.record = Record()
 
     def load(self) -> None:
-        pass
+        if self.fail_load:
+            raise RuntimeError("scripted load failure")
 
     def warmup_items(self) -> list[Any]:
-        return [{"id": "warmup", "sleep": 0.0, "mode": ""}]
+        return [EchoItem("warmup", self.warmup_sleep_s, "")]
 
-    def infer_batch(self, items: list[dict]) -> list[Any]:
-        ids = [i["id"] for i in items]
-        if ids != ["warmup"]:
-            self.seen.extend(ids)
-            self.batches.append(ids)
-        if any(i["mode"] == "oom" for i in items):
+    def infer_batch(self, items: list[EchoItem]) -> list[Any]:
+        ids = [i.id for i in items]
+        if ids == ["warmup"]:
+            time.sleep(items[0].sleep)
+            self.record.warmups += 1
+            return [{"id": "warmup", "batch": 1}]
+        self.record.seen.extend(ids)
+        self.record.batches.append(ids)
+        if any(i.mode == "oom" for i in items):
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        if any(i["mode"] == "torch_oom" for i in items):
+        if any(i.mode == "torch_oom" for i in items):
             import torch  # torch's own error class, as a CUDA allocation failure raises it
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-        if any(i["mode"] == "hang" for i in items):
-            time.sleep(max(i["sleep"] for i in items) or 5)
+        longest = max(i.sleep for i in items)
+        stopped = False
+        if any(i.mode == "hang" for i in items):
+            time.sleep(longest or 5)
+        elif all(i.cancel is not None for i in items):
+            t_end = time.monotonic() + longest
+            while time.monotonic() < t_end:          # "steps" of 50 ms
+                if all(i.cancel.is_set() for i in items):
+                    self.record.stopped.extend(ids)
+                    stopped = True
+                    break
+                time.sleep(0.05)
         else:
-            time.sleep(max(i["sleep"] for i in items))
-        return [ValueError(f"item {i['id']} is bad") if i["mode"] == "bad" else {"id": i["id"], "batch": len(items)}
-                for i in items]
+            time.sleep(longest)
+        return [ApiError(422, "bad_item", f"item {i.id} is bad") if i.mode == "bad"
+                else {"id": i.id, "batch": len(items), "stopped": stopped} for i in items]
 
     def on_out_of_memory(self) -> None:
-        self.freed += 1
+        self.record.freed += 1
+
+    def info(self) -> dict[str, Any]:
+        return {"backend": self.name, "model": "scripted", "device": "cpu"}
 
 
 def create_app(settings: dict[str, Any]) -> FastAPI:
+    settings = dict(settings)
     batching = bool(settings.pop("batching", False))
+    warmup_sleep_s = float(settings.pop("warmup_sleep_s", 0.0))
+    fail_load = bool(settings.pop("fail_load", False))
     cfg = RuntimeSettings.model_validate(settings)
-    backend = ScriptedBackend(batching)
+    backend = ScriptedBackend(batching, warmup_sleep_s, fail_load)
+
+    def decode(raw) -> Work:
+        got = read_image_input(raw, cfg)
+        p = validate(EchoParams, got.params)
+        if p.mode == "boom":
+            raise KeyError("unexpected")
+        if p.decode_sleep:
+            time.sleep(p.decode_sleep)
+        items = [EchoItem(p.id if p.items == 1 else f"{p.id}.{n}", p.sleep, p.mode,
+                          threading.Event() if p.cancellable else None) for n in range(p.items)]
+        return Work(items, p.key or None, got.image.width)
+
+    def encode(work: Work, results: list[Any], raw) -> Any:
+        out = results[0] if len(results) == 1 else {"id": [r["id"] for r in results], "batch": results[0]["batch"]}
+        return json_reply({**out, "width": work.state})
 
     def add_routes(app: FastAPI, ctx: ServiceContext) -> None:
-        @app.post("/api/v1/echo")
-        async def echo(request: Request, id: str = "", sleep: float = 0.0, mode: str = ""):
-            timing = Timing()
-            img = await ctx.read_image(request, timing)
-            if mode == "boom":
-                raise KeyError("unexpected")
-            try:
-                out = await ctx.infer(request, {"id": id, "sleep": sleep, "mode": mode}, timing)
-            except ValueError as exc:
-                raise ApiError(422, "bad_item", str(exc)) from None
-            return ctx.json({**out, "width": img.image.width}, timing)
+        ctx.pipeline.add(app, ModelRoute("/api/v1/echo", decode, encode, summary="echo"))
+
+        @app.get("/block")
+        async def block(s: float = 1.0):
+            time.sleep(s)  # deliberately stalls the event loop: /healthz must notice
+            return {"blocked": s}
 
         @app.get("/seen")
         async def seen():
-            return {"seen": backend.seen, "batches": backend.batches, "freed": backend.freed}
+            r = backend.record
+            return {"seen": r.seen, "batches": r.batches, "stopped": r.stopped, "warmups": r.warmups,
+                    "freed": r.freed}
 
     return create_service_app("scripted", cfg, backend, add_routes, title="scripted")

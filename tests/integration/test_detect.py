@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -30,7 +31,9 @@ def inside(box, outer, slack=15):
 
 @pytest.fixture(scope="module")
 def centerface(tmp_path_factory):
-    with ServiceProcess(APP, {"backend": "centerface"}, tmp_path_factory.mktemp("cf"), threads=2) as svc:
+    # device "cpu": these tests are about the CPU path, whatever the host has (gpu tests cover CUDA)
+    with ServiceProcess(APP, {"backend": "centerface", "device": "cpu"}, tmp_path_factory.mktemp("cf"),
+                        threads=2) as svc:
         yield svc
 
 
@@ -65,6 +68,23 @@ def test_boxes_are_in_original_pixels_when_the_image_is_resized(centerface):
     assert inside(faces[0]["box"], tuple(3 * v for v in FACE), slack=45)
 
 
+def test_exif_orientation_is_applied_before_detection(centerface):
+    """Stored sideways with EXIF orientation 6 (view rotated 90 degrees clockwise), as phones do."""
+    from tests.images import exif_rotated_jpeg
+    stored = np.ascontiguousarray(np.rot90(astronaut(), k=1))  # what the sensor wrote
+    doc = detect(centerface, exif_rotated_jpeg(stored, 6), "image/jpeg").json()
+    assert (doc["width"], doc["height"]) == (512, 512)
+    assert len(doc["faces"]) == 1 and inside(doc["faces"][0]["box"], FACE, slack=20)
+
+
+def test_a_large_jpeg_decoded_at_reduced_scale_still_answers_in_its_own_pixels(centerface):
+    big = np.asarray(Image.fromarray(astronaut()).resize((3072, 3072)))  # DCT scaling to 1/4
+    faces = detect(centerface, encode(big, "JPEG", quality=90), "image/jpeg").json()["faces"]
+    assert len(faces) == 1
+    assert inside(faces[0]["box"], tuple(6 * v for v in FACE), slack=90)
+    assert all(0 <= v <= 3072 for v in faces[0]["box"])
+
+
 def test_parameters_min_score_max_faces_and_json_input(centerface):
     body = {"image": base64.b64encode(group_photo_jpeg()).decode(), "max_faces": 2}
     r = httpx.post(centerface.url + "/api/v1/facedetect", json=body, timeout=60)
@@ -84,10 +104,28 @@ def test_centerface_info(centerface):
     assert "onnxruntime" in info["versions"]
 
 
+CASCADE = str(Path(__file__).resolve().parent.parent / "data" / "haarcascade_frontalface_default.xml")
+
+
 def test_haar_finds_the_astronaut(tmp_path):
-    with ServiceProcess(APP, {"backend": "haar"}, tmp_path) as svc:
+    # the cascade from tests/data, not whatever the installed OpenCV build ships (5.x ships none)
+    with ServiceProcess(APP, {"backend": "haar", "haar_cascade": CASCADE}, tmp_path) as svc:
         faces = detect(svc, encode(astronaut())).json()["faces"]
         assert len(faces) == 1 and inside(faces[0]["box"], FACE)
+
+
+def test_a_missing_haar_cascade_is_a_start_failure_that_names_it(tmp_path):
+    import subprocess
+    import sys
+    svc = ServiceProcess(APP, {"backend": "haar", "haar_cascade": str(tmp_path / "nope.xml")}, tmp_path)
+    svc._log = open(svc.log_path, "wb")
+    svc.proc = subprocess.Popen([sys.executable, "-m", "services.runtime.serve"], cwd=svc.env["PYTHONPATH"],
+                                env=svc.env, stdout=svc._log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        assert svc.proc.wait(timeout=60) == 78
+        assert "nope.xml" in svc.output()
+    finally:
+        svc.__exit__(None, None, None)
 
 
 def test_insightface_loads_a_local_scrfd_onnx_without_network(tmp_path):

@@ -148,3 +148,105 @@ def test_supervisor_imports_no_ml_library():
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_env_override_keeps_the_case_of_a_variable_name_under_env(tmp_path):
+    p = write(tmp_path, BASE)
+    cfg = load_config(p, environ={"ONECARD_SERVICES__DETECT__ENV__HF_HOME": "/models/hf",
+                                  "ONECARD_SERVICES__DETECT__SETTINGS__MAX_QUEUE": "4"})
+    assert cfg.services["detect"].env == {"HF_HOME": "/models/hf"}
+    assert cfg.services["detect"].settings == {"max_queue": 4}  # schema keys are lower case
+    from supervisor.cpuquota import CpuQuota
+    from supervisor.plan import build_plan
+    plan = build_plan(cfg, CpuQuota(4, "affinity", 4, None, None), {})
+    assert plan.services[0].env["HF_HOME"] == "/models/hf" and "hf_home" not in plan.services[0].env
+
+
+def test_drain_is_nested_below_grace(tmp_path):
+    from supervisor.config import drain_of, termination_grace_min
+    cfg = load_config(write(tmp_path, BASE), environ={})
+    assert drain_of(cfg, "detect") == 3.0 and cfg.supervisor.grace_s == 5  # 5 - min(2, 2.5)
+    assert termination_grace_min(cfg) > cfg.supervisor.grace_s > drain_of(cfg, "detect")
+    msg = error_of(write(tmp_path, BASE.replace("grace_s = 5", "grace_s = 5\ndrain_s = 5")), environ={})
+    assert "supervisor.drain_s: 5 s must be below supervisor.grace_s (5 s)" in msg
+    msg = error_of(write(tmp_path, BASE + "drain_s = 9\n"), environ={})
+    assert "services.img2img.drain_s: 9 s must be below supervisor.grace_s" in msg
+    cfg = load_config(write(tmp_path, BASE.replace("grace_s = 5", "grace_s = 1")), environ={})
+    assert drain_of(cfg, "detect") == 0.5
+
+
+def test_missing_file_names_what_chose_it(tmp_path):
+    missing = tmp_path / "absent.toml"
+    assert f"--config: {missing}: no such file" in error_of(missing, environ={}, origin="--config")
+    assert f"ONECARD_CONFIG: {missing}: no such file" in error_of(missing, environ={}, origin="ONECARD_CONFIG")
+
+
+def test_secret_values_never_appear_in_errors(tmp_path):
+    text = BASE + '\n[services.detect.settings]\napi_key = 12345\n'
+    msg = error_of(write(tmp_path, text), environ={})
+    assert "12345" not in msg and "services.detect.settings.api_key" in msg and "<redacted>" in msg
+
+
+def test_byte_budgets_are_judged_against_the_visible_card(tmp_path):
+    sizes = {"0": 16 * 2**30, "1": 80 * 2**30}
+    text = BASE.replace("port = 7862", f"port = 7862\ngpu_memory_bytes = {20 * 2**30}")
+    p = write(tmp_path, text + '\n[gpu]\nvisible_devices = "1"\n')
+    load_config(p, environ={}, gpu_total_bytes=lambda devices: sizes[devices])  # 20 of 80 GiB: fine
+    p = write(tmp_path, text + '\n[gpu]\nvisible_devices = "0"\n')
+    assert "budgets add up to 1.25" in error_of(p, environ={}, gpu_total_bytes=lambda d: sizes[d])
+
+
+def test_the_packaged_default_is_configs_default():
+    import tomllib
+    from supervisor.configpath import PACKAGED_DEFAULT
+    assert tomllib.loads(PACKAGED_DEFAULT.read_text()) == tomllib.loads((ROOT / "configs" / "default.toml").read_text())
+
+
+def test_config_resolution_is_the_same_for_every_command_and_independent_of_cwd(tmp_path):
+    from supervisor.configpath import PACKAGED_DEFAULT, resolve
+    assert resolve("x.toml", {"ONECARD_CONFIG": "/e.toml"}).path == "x.toml"
+    assert resolve(None, {"ONECARD_CONFIG": "/e.toml"}).origin == "ONECARD_CONFIG"
+    assert resolve(None, {}).path == str(PACKAGED_DEFAULT)
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    env.pop("ONECARD_CONFIG", None)
+    r = subprocess.run([sys.executable, "-m", "supervisor", "check"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=60)  # a directory with no configs/ in it
+    assert r.returncode == 0, r.stderr
+    assert f"config  {PACKAGED_DEFAULT}: valid" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "supervisor", "check"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60, env={**env, "ONECARD_CONFIG": str(tmp_path / "nope.toml")})
+    assert r.returncode == 2 and f"ONECARD_CONFIG: {tmp_path / 'nope.toml'}: no such file" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "supervisor", "check", "--config", "nope.toml"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "--config: nope.toml: no such file" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "supervisor", "check", "--set", "oops"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "--set 'oops': expected key.path=value" in r.stderr
+
+
+def test_check_redacts_secrets(tmp_path):
+    text = BASE + ('\n[services.detect.env]\nHF_TOKEN = "hf_secretvalue"\nREDIS_URL = "redis://u:pw1234@db:6379"\n'
+                   'PLAIN = "visible"\n[services.detect.settings]\napi_key = "sk-topsecret"\n')
+    p = write(tmp_path, text)
+    r = subprocess.run([sys.executable, "-m", "supervisor", "check", "--config", str(p)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for secret in ("hf_secretvalue", "pw1234", "sk-topsecret"):
+        assert secret not in r.stdout + r.stderr
+    assert "env  HF_TOKEN=<redacted>" in r.stdout and "redis://u:<redacted>@db:6379" in r.stdout
+    assert "env  PLAIN=visible" in r.stdout and '"api_key": "<redacted>"' in r.stdout
+
+
+def test_version():
+    from supervisor.version import __version__
+    r = subprocess.run([sys.executable, "-m", "supervisor", "--version"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith(f"onecard {__version__} (Python ")
+
+
+def test_redaction_rules():
+    from supervisor.redact import redact_argv, redact_env
+    assert redact_env({"API_KEY": "a", "PATH": "/bin", "ONECARD_SERVICE_CONFIG": '{"api_key": "k", "n": 1}'}) == {
+        "API_KEY": "<redacted>", "PATH": "/bin", "ONECARD_SERVICE_CONFIG": '{"api_key": "<redacted>", "n": 1}'}
+    assert redact_argv(["serve", "--api-key", "k1", "--token=k2", "--url=http://a:b@h/"]) == [
+        "serve", "--api-key", "<redacted>", "--token=<redacted>", "--url=http://a:<redacted>@h/"]

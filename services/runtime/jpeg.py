@@ -1,0 +1,72 @@
+"""A cheap walk over a JPEG's markers, before any decoder sees it.
+
+Decode cost is not bounded by the pixel count alone: a progressive JPEG may carry
+thousands of scans, and libjpeg re-runs the whole image for each one (a 450 KB file
+can hold a decoder for minutes). Neither Pillow nor OpenCV limits scans by default.
+This walk counts segments and scans without decoding anything: header segments are
+skipped by their length, entropy-coded data is skipped with one regex search for the
+next marker.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+SOI, EOI, SOS = 0xD8, 0xD9, 0xDA
+# A marker after entropy-coded data: 0xFF followed by anything but a stuffed 0x00,
+# a restart marker (D0-D7) or fill bytes.
+_NEXT_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
+_STANDALONE = frozenset(range(0xD0, 0xD8)) | {0x01}
+
+
+@dataclass(frozen=True)
+class JpegShape:
+    scans: int
+    markers: int
+    progressive: bool
+
+
+class JpegLimitError(Exception):
+    def __init__(self, what: str, count: int, limit: int):
+        super().__init__(f"{what}: {count} is over the limit of {limit}")
+        self.what, self.count, self.limit = what, count, limit
+
+
+def walk(data: bytes, max_scans: int, max_markers: int) -> JpegShape:
+    """Count scans and segments; raise JpegLimitError as soon as one is over its limit.
+    A malformed structure just ends the walk: the decoder reports corruption itself."""
+    n = len(data)
+    if n < 4 or data[0] != 0xFF or data[1] != SOI:
+        return JpegShape(0, 0, False)
+    pos, scans, markers, progressive = 2, 0, 0, False
+    while pos + 4 <= n:
+        if data[pos] != 0xFF:
+            break
+        marker = data[pos + 1]
+        if marker == 0xFF:          # fill byte before a marker
+            pos += 1
+            continue
+        if marker == EOI:
+            break
+        pos += 2
+        markers += 1
+        if markers > max_markers:
+            raise JpegLimitError("JPEG segments", markers, max_markers)
+        if marker in _STANDALONE:
+            continue
+        length = (data[pos] << 8) | data[pos + 1]
+        if length < 2:
+            break
+        if marker in (0xC2, 0xC6, 0xCA, 0xCE):  # SOF2/6/10/14: progressive
+            progressive = True
+        pos += length
+        if marker == SOS:
+            scans += 1
+            if scans > max_scans:
+                raise JpegLimitError("JPEG scans", scans, max_scans)
+            m = _NEXT_MARKER.search(data, pos)
+            if m is None:
+                break
+            pos = m.start()
+    return JpegShape(scans, markers, progressive)

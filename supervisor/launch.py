@@ -1,0 +1,38 @@
+"""`onecard run` hands over to a lean process: the same PID, without pydantic or typer.
+
+The command line validates the config (pydantic) and builds the plan, then execs a fresh
+interpreter that imports only what supervising needs (issue 11, item 16: the supervisor's
+RSS). The plan travels as JSON in an anonymous memory file (memfd), not in the
+environment or argv, where other processes could read the secrets a service's env holds.
+exec keeps the PID, so a supervisor that is PID 1 stays PID 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from supervisor.config import Config
+    from supervisor.plan import Plan
+
+
+def exec_supervisor(config: "Config", plan: "Plan") -> None:
+    """Replace this process with the lean supervisor; returns only when that cannot be done."""
+    if not hasattr(os, "memfd_create"):
+        return
+    doc = {"supervisor": config.supervisor.model_dump(mode="json"), "gpu": config.gpu.model_dump(mode="json"),
+           "plan": plan.to_json()}
+    fd = os.memfd_create("onecard-plan", 0)  # inherited across exec on purpose
+    data = memoryview(json.dumps(doc).encode())
+    while data:
+        data = data[os.write(fd, data):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    root = str(Path(__file__).resolve().parent.parent)
+    code = f"import sys; sys.path.insert(0, {root!r}); from supervisor.runner import main; main({fd})"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-c", code])

@@ -1,0 +1,71 @@
+"""Each service's probes: /readyz until it is ready, then /healthz, /readyz and /stats
+every liveness period. The probe task only asks and enqueues what it heard; the driver's
+loop applies the answers here, one at a time (readiness transitions, liveness misses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from supervisor import report
+from supervisor.child import ChildProcess
+from supervisor.lifecycle import EXIT_LIVENESS, Event, State, UnitEvent
+
+
+class ServiceWatch:
+    def __init__(self, sup: Any):
+        self.sup = sup  # the driver (unit.Supervisor)
+
+    async def probe_loop(self, child: ChildProcess) -> None:
+        s = self.sup.settings
+        while child.probing and not self.sup.unit.stopping:
+            if child.state == State.STARTING:
+                self.sup.put("ready_probe", child, await self.sup.probes.get(child, "/readyz", s.liveness_timeout_s))
+                await self.sup.clock.sleep(s.readiness_period_s)
+                continue
+            await self.sup.clock.sleep(s.liveness_period_s)
+            if not child.probing or self.sup.unit.stopping:
+                return
+            self.sup.put("watch_probe", child, *await asyncio.gather(
+                self.sup.probes.get(child, "/healthz", s.liveness_timeout_s),
+                self.sup.probes.get(child, "/readyz", s.liveness_timeout_s),
+                self.sup.probes.get(child, "/stats", s.liveness_timeout_s)))
+
+    def on_ready_probe(self, child: ChildProcess, r) -> None:
+        if not child.probing or self.sup.unit.stopping:
+            return
+        if r.ok:
+            child.fire(Event.READY_OK)
+            child.ready_at = self.sup.clock.now()
+            child.last_probe_error = ""
+            self.sup.log.info(f"{child.name}: ready after {child.ready_at - child.started_at:.2f} s")
+            return
+        child.fire(Event.READY_LOST)
+        child.last_probe_error = r.error or f"/readyz answered {r.status}"
+        if r.foreign:
+            self.sup.log_once(f"foreign:{child.name}", "warning", f"{child.name}: {r.error}")
+
+    def on_watch(self, child: ChildProcess, health, ready, stats) -> None:
+        if not child.probing or self.sup.unit.stopping:
+            return
+        report.absorb_stats(child, stats)
+        s = self.sup.settings
+        if health.ok:
+            child.liveness_misses = 0
+        else:
+            child.liveness_misses += 1
+            child.last_probe_error = health.error or f"/healthz answered {health.status}"
+            self.sup.log.warning(f"{child.name}: liveness miss {child.liveness_misses}/{s.liveness_failures}: "
+                             f"{child.last_probe_error}")
+            if child.liveness_misses >= s.liveness_failures:
+                self.sup.apply(self.sup.unit.fire(UnitEvent.FAIL, EXIT_LIVENESS,
+                                           f"{child.name} failed {child.liveness_misses} liveness probes "
+                                           f"in a row ({child.last_probe_error})"))
+                return
+        before = child.state
+        after = child.fire(Event.READY_OK if ready.ok else Event.READY_LOST)
+        if before == State.READY and after == State.NOT_READY:
+            self.sup.log.warning(f"{child.name}: not ready: {ready.error or f'/readyz answered {ready.status}'}")
+        elif before == State.NOT_READY and after == State.READY:
+            self.sup.log.info(f"{child.name}: ready again")

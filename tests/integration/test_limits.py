@@ -1,0 +1,256 @@
+"""Connection and protocol limits, and liveness that does not depend on client load, in
+a real uvicorn process: slow clients are cut at their deadlines, a connection flood is
+refused without exhausting descriptors, CPU work never runs on the event loop, and the
+probe listener answers while clients hold every slot, yet reports a stalled loop."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.images import small_png
+from tests.service_harness import ServiceProcess, probe
+
+APP = "tests.children.scripted_app:create_app"
+PNG = small_png()
+
+
+def _read_until_closed(s: socket.socket, limit_s: float) -> bytes:
+    s.settimeout(limit_s)
+    data = b""
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return data
+            data += chunk
+    except socket.timeout:
+        raise AssertionError(f"connection still open after {limit_s} s; got {data[:200]!r}") from None
+
+
+def _read_response(s: socket.socket) -> bytes:
+    """One whole HTTP/1.1 response with a Content-Length: its head and body may come in several reads."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, f"closed before the response head ended: {data[:100]!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        chunk = s.recv(65536)
+        assert chunk, "closed before the response body ended"
+        body += chunk
+    assert len(body) == length, "more bytes than the response announced"
+    return head + b"\r\n\r\n" + body
+
+
+def _status(data: bytes) -> int:
+    return int(data.split(b" ", 2)[1])
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory):
+    settings = {"header_timeout_s": 1.0, "body_timeout_s": 4.0, "max_connections": 40, "loop_stall_s": 0.6,
+                "max_queue": 4, "max_batch_size": 1, "cpu_workers": 2}
+    with ServiceProcess(APP, settings, tmp_path_factory.mktemp("limits"), soft_nofile=256) as s:
+        yield s
+
+
+def test_a_client_that_sends_nothing_is_closed_at_the_header_deadline(svc):
+    with socket.create_connection(("127.0.0.1", svc.port)) as s:
+        data = _read_until_closed(s, 10)
+    assert _status(data) == 408 and b"request_timeout" in data
+
+
+def test_trickled_headers_are_cut_at_the_header_deadline(svc):
+    """uvicorn alone resets its timer on every byte: one byte every 0.2 s held it forever."""
+    with socket.create_connection(("127.0.0.1", svc.port)) as s:
+        s.sendall(b"POST /api/v1/echo HTTP/1.1\r\nHost: x\r\n")
+        t0 = time.monotonic()
+        s.settimeout(0.05)
+        got = b""
+        while time.monotonic() - t0 < 10:
+            try:
+                s.sendall(b"X")
+            except OSError:
+                break  # closed by the server
+            try:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                got += chunk
+            except socket.timeout:
+                pass
+            time.sleep(0.2)
+        else:
+            raise AssertionError("a trickling client still held its connection after 10 s")
+    assert got.startswith(b"HTTP/1.1 408")
+
+
+def test_a_trickled_second_request_on_a_kept_alive_connection_is_cut(svc):
+    request = (b"POST /api/v1/echo?id=ka HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+               + f"Content-Length: {len(PNG)}\r\n\r\n".encode() + PNG)
+    with socket.create_connection(("127.0.0.1", svc.port)) as s:
+        s.sendall(request)
+        s.settimeout(10)
+        first = _read_response(s)
+        assert first.startswith(b"HTTP/1.1 200"), first[:100]
+        t0 = time.monotonic()
+        for byte in request[:60]:  # the next request, one byte every 0.2 s
+            try:
+                s.sendall(bytes([byte]))
+            except OSError:
+                break
+            time.sleep(0.2)
+            if time.monotonic() - t0 > 10:
+                raise AssertionError("a trickling second request held the connection for 10 s")
+        data = _read_until_closed(s, 10)
+    assert data.startswith(b"HTTP/1.1 408"), data[:100]
+
+
+def test_a_slow_but_timely_body_is_accepted(svc):
+    """The body has its own deadline (4 s here), longer than the headers' (1 s)."""
+    with socket.create_connection(("127.0.0.1", svc.port)) as s:
+        s.sendall(b"POST /api/v1/echo?id=slowbody HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                  + f"Content-Length: {len(PNG)}\r\nConnection: close\r\n\r\n".encode())
+        step = len(PNG) // 8 + 1
+        for i in range(0, len(PNG), step):  # about 2 s in all
+            s.sendall(PNG[i:i + step])
+            time.sleep(0.25)
+        data = _read_until_closed(s, 10)
+    assert data.startswith(b"HTTP/1.1 200"), data[:200]
+
+
+def test_a_trickled_body_is_cut_at_the_body_deadline(svc):
+    with socket.create_connection(("127.0.0.1", svc.port)) as s:
+        s.sendall(b"POST /api/v1/echo HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                  + f"Content-Length: {len(PNG)}\r\n\r\n".encode() + PNG[:10])
+        t0 = time.monotonic()
+        for i in range(10, len(PNG)):
+            if time.monotonic() - t0 > 10:
+                raise AssertionError("a trickling body still held its connection after 10 s")
+            try:
+                s.sendall(PNG[i:i + 1])
+            except OSError:
+                break
+            time.sleep(0.1)
+        data = _read_until_closed(s, 10)
+    assert _status(data) == 408
+    assert httpx.post(svc.url + "/api/v1/echo?id=after", content=PNG,
+                      headers={"content-type": "image/png"}).status_code == 200
+
+
+def test_a_connection_flood_is_refused_and_the_service_keeps_serving(svc):
+    proc = psutil.Process(svc.proc.pid)
+    fds_before = proc.num_fds()
+    flood = []
+    try:
+        for _ in range(300):
+            s = socket.create_connection(("127.0.0.1", svc.port))
+            s.sendall(b"POST /api/v1/echo HTTP/1.1\r\nHost: x\r\n")  # half-sent, held open
+            flood.append(s)
+        time.sleep(0.3)  # refusals accepted in one accept batch close on the next loop turns
+        # open ones plus lingering refusals, each bounded by max_connections (40)
+        assert proc.num_fds() < fds_before + 2 * 40 + 20
+        # the probe listener does not share the public port's connections
+        assert probe(svc.probe_socket, "/healthz")[0] == 200
+        assert probe(svc.probe_socket, "/readyz")[0] == 200
+        outcomes = {"503": 0, "408": 0, "reset": 0}
+        for s in flood:  # every one ends: refused at once, or cut at its header deadline
+            try:
+                data = _read_until_closed(s, 5)
+            except ConnectionResetError:
+                outcomes["reset"] += 1
+                continue
+            if data.startswith(b"HTTP/1.1 503") and b"too_many_connections" in data:
+                outcomes["503"] += 1
+            elif data.startswith(b"HTTP/1.1 408"):
+                outcomes["408"] += 1
+            else:
+                raise AssertionError(f"unexpected answer {data[:100]!r}")
+        # 40 held (then cut at 1 s: 408), up to 40 refusals linger so the client reads its 503,
+        # the rest are closed at once (a reset); none may hang
+        assert outcomes["503"] >= 40 and outcomes["408"] >= 40 and sum(outcomes.values()) == 300, outcomes
+    finally:
+        for s in flood:
+            s.close()
+    time.sleep(0.3)
+    r = httpx.post(svc.url + "/api/v1/echo?id=after-flood", content=PNG, headers={"content-type": "image/png"})
+    assert r.status_code == 200
+    metrics = httpx.get(svc.url + "/metrics").text
+    refused = [line for line in metrics.splitlines() if line.startswith("onecard_connections_refused_total")]
+    assert refused and float(refused[0].split()[-1]) >= 150
+
+
+def test_open_files_limit_is_raised_to_the_hard_limit(svc):
+    """Started with a soft limit of 256 (the fixture), the service raises it itself."""
+    soft, hard = psutil.Process(svc.proc.pid).rlimit(psutil.RLIMIT_NOFILE)
+    assert hard > 256 and soft == hard
+
+
+def test_decode_and_encode_never_run_on_the_event_loop(svc):
+    """The decode hook sleeps 2 s; on the loop that would stall /healthz for 2 s each."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        slow = [pool.submit(httpx.post, svc.url + f"/api/v1/echo?id=slow{i}&decode_sleep=2", content=PNG,
+                            headers={"content-type": "image/png"}, timeout=30) for i in range(2)]
+        time.sleep(0.3)
+        waits = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            r = httpx.get(svc.url + "/healthz", timeout=1.0)  # a loop busy decoding misses this
+            waits.append(time.perf_counter() - t0)
+            assert r.status_code == 200
+            time.sleep(0.1)
+        assert all(f.result().status_code == 200 for f in slow)
+
+
+def test_probes_answer_while_every_slot_is_busy(svc):
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        busy = [pool.submit(httpx.post, svc.url + f"/api/v1/echo?id=busy{i}&sleep=1.5", content=PNG,
+                            headers={"content-type": "image/png"}, timeout=30) for i in range(8)]
+        time.sleep(0.4)
+        for _ in range(5):
+            status, doc = probe(svc.probe_socket, "/healthz", timeout=1.0)
+            assert status == 200 and doc["instance"] == svc.instance
+            status, doc = probe(svc.probe_socket, "/stats", timeout=1.0)
+            assert status == 200 and doc["queue_depth"] <= 4
+        codes = sorted(f.result().status_code for f in busy)
+    assert codes.count(503) >= 3 and codes.count(200) >= 2, codes
+
+
+def test_a_stalled_event_loop_fails_health_on_the_probe_listener(svc):
+    """The probe thread must not lie: it reports the main loop's heartbeat."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        blocker = pool.submit(httpx.get, svc.url + "/block?s=2.5", timeout=30)
+        deadline = time.monotonic() + 2.2
+        seen = None
+        while time.monotonic() < deadline:
+            status, doc = probe(svc.probe_socket, "/healthz", timeout=1.0)
+            if status == 503:
+                seen = doc
+                break
+            time.sleep(0.1)
+        assert seen is not None and "event loop" in seen["reason"], seen
+        assert blocker.result().status_code == 200
+    time.sleep(0.3)
+    assert probe(svc.probe_socket, "/healthz")[0] == 200
+
+
+def test_a_client_leaving_mid_upload_is_not_an_internal_error(svc):
+    before = httpx.get(svc.url + "/stats").json()["errors"]
+    with socket.create_connection(("127.0.0.1", svc.port)) as s:
+        s.sendall(b"POST /api/v1/echo?id=leaver HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                  b"Content-Length: 100000\r\n\r\n" + b"\x89PNG" + b"\0" * 1000)
+        time.sleep(0.3)
+    time.sleep(0.3)
+    assert httpx.get(svc.url + "/stats").json()["errors"] == before
+    assert "unexpected error" not in svc.output()
+    metrics = httpx.get(svc.url + "/metrics").text
+    assert 'status="499"' in metrics
