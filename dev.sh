@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine with python3 (3.11+) and pip:
 #   ./dev.sh run [onecard run options]   the supervisor with configs/default.toml
-#   ./dev.sh test [pytest options]       the test suite (needs redis-server: installed if missing)
+#   ./dev.sh test [pytest options]       the test suite, one worker per core (needs redis-server: installed if missing)
 #   ./dev.sh sample [PATH]               write a real photo to try the services with (sample.jpg)
 #   ./dev.sh lint-deploy                 hadolint, kubernetes-validate and checkov on deploy/
 #   ./dev.sh setup                       only build .venv
@@ -111,7 +111,12 @@ case "$cmd" in
     test)
         ensure_redis
         setup
-        exec "$PY" -m pytest "$@"
+        # one worker per core, a test file per worker (its module fixtures start services
+        # once); pass -n yourself to choose (-n 0: one process)
+        case " $* " in
+            *" -n"*|*" --numprocesses"*) exec "$PY" -m pytest "$@" ;;
+            *) exec "$PY" -m pytest -n auto --dist loadfile "$@" ;;
+        esac
         ;;
     sample)
         setup

@@ -26,8 +26,6 @@ class DefaultConfigRun(SupervisorRun):
                            "--set", "supervisor.liveness_period_s=1"]
         for name, port in self.ports.items():
             self.extra_args += ["--set", f"services.{name}.port={port}"]
-        for name in ("detect", "img2img"):  # the jobs service's targets follow the moved ports
-            self.extra_args += ["--set", f'services.jobs.settings.targets.{name}="http://127.0.0.1:{self.ports[name]}"']
 
 
 def _both_work(run) -> None:
