@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -249,6 +250,10 @@ def test_metrics_are_valid_prometheus_text(tmp_path):
         info = next(f for f in families if f.name == "onecard_build_info")
         assert info.samples[0].labels["version"] == __version__ and info.samples[0].value == 1
         assert info.samples[0].labels["python"] == __import__("platform").python_version()
+        if shutil.which("promtool"):  # Debian: prometheus; the same checks a scrape config review runs
+            r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
+                               timeout=30)
+            assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_the_control_socket_in_an_existing_directory_leaves_it_alone(tmp_path):

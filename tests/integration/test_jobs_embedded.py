@@ -9,6 +9,7 @@ import io
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import time
 
@@ -18,6 +19,7 @@ import pytest
 from PIL import Image
 
 from tests.images import astronaut, encode, pixel_bomb_png
+from tests.integration.test_metrics import lint
 from tests.service_harness import probe
 from tests.jobs_harness import DETECT_APP, IMG2IMG_APP, TARGET_APP, Unit, b64, start_units
 
@@ -244,6 +246,8 @@ def test_503_from_the_service_is_backpressure_not_an_attempt(unit):
 
 
 def test_stats_and_metrics_show_the_queue(unit):
+    job = unit.submit("scripted", WORK, body={"tag": "figures", "sleep_s": 0})  # whatever ran before
+    assert unit.wait(job["id"])["state"] == "succeeded"
     stats = unit.stats()
     assert {"queue_depth", "in_flight", "served", "errors", "latency_p50_ms", "latency_p99_ms"} <= set(stats)
     jobs = stats["jobs"]
@@ -258,6 +262,10 @@ def test_stats_and_metrics_show_the_queue(unit):
                  "onecard_jobs_dead_lettered_total{", 'onecard_jobs_stage_seconds_bucket{le="600.0",stage="running"}',
                  'onecard_jobs_total{state="succeeded"}'):
         assert name in text, name
+    assert lint(text) == []
+    if shutil.which("promtool"):  # Debian: prometheus
+        r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stdout + r.stderr
     info = unit.api.get("/info").json()
     assert set(info["model_labels"]) == labels and info["queue"]["mode"] == "embedded"
 
