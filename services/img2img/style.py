@@ -88,6 +88,11 @@ class StyleBackend(Backend):
 
     # ---- GPU worker -------------------------------------------------------------------
     def infer_batch(self, items: list[Img2ImgItem]) -> list[Any]:
+        # a webui interrupt ended the request these belong to: what had not started is not run
+        run = [i for i in items if not self.progress.stopped(i.job)]
+        if len(run) < len(items):
+            done = dict(zip(map(id, run), self.infer_batch(run))) if run else {}
+            return [done.get(id(i)) for i in items]
         self.progress.begin([i.job for i in items], 1)
         try:
             kind = items[0].key[0] if items[0].key else "preset"

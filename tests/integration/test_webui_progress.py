@@ -20,7 +20,8 @@ from sd_backend_client.errors import GenerationError
 
 from tests.models import tiny_sd_img2img
 from tests.service_harness import ServiceProcess
-from tests.webui_helpers import APP, InThread, ProgressWatcher, diffusers_settings, picture, progress, wait_for
+from tests.webui_helpers import (APP, InThread, ProgressWatcher, diffusers_settings, picture, progress, style_settings,
+                                 wait_for)
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +129,20 @@ def test_a_request_runs_as_batches(sd):
     r = img2img(client(sd), 2, batch_size=2, n_iter=2, seed=40)
     assert len(r.images) == 4
     assert batch_metrics(sd.url) == (count + 2, total + 4)  # two model calls of two images (max_batch_size 2)
+
+
+def test_interrupt_stops_a_style_request_between_its_batches(tmp_path):
+    """The style backend runs a request's images as separate calls: an interrupt ends the
+    request there, as the webui ends an n_iter run; nothing more of it is run."""
+    settings = {**style_settings(), "max_side": 512, "max_images": 64, "max_batch_size": 1}
+    with ServiceProcess(APP, settings, tmp_path) as svc:
+        api = client(svc)
+        job = InThread(lambda: api.img2img(images=[picture(512, 512)], width=512, height=512,
+                                           denoising_strength=1.0, batch_size=1, n_iter=64, seed=3))
+        wait_for(lambda: progress(svc.url)["state"]["job_no"] >= 1, "the second batch")
+        assert api.interrupt() == {}
+        r = job.result()
+        assert 1 <= len(r.images) < 64, len(r.images)
+        assert progress(svc.url)["state"]["job_count"] == 0
+        after = api.img2img(images=[picture(64, 64)], width=64, height=64, denoising_strength=1.0, n_iter=2)
+        assert len(after.images) == 2  # the next request runs in full
