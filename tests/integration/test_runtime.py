@@ -50,7 +50,9 @@ def wait_for(cond, timeout=10.0, what="condition"):
 
 
 def hold_model(svc, seconds: float, rid: str = "blocker"):
-    """Start a request that occupies the model, and wait until the model really has it."""
+    """Start a request that occupies the model, and wait until the model really has it.
+    Hold it for longer than what the test queues behind it takes to arrive on a loaded
+    2-core machine: the test asserts what the queue does while the model is busy."""
     pool = concurrent.futures.ThreadPoolExecutor(1)
     fut = pool.submit(post, svc, f"?id={rid}&sleep={seconds}")
     wait_for(lambda: rid in seen(svc)["seen"], what=f"{rid} on the model")
@@ -60,7 +62,7 @@ def hold_model(svc, seconds: float, rid: str = "blocker"):
 
 def test_queue_limit_gives_503_with_retry_after(tmp_path):
     with ServiceProcess(APP, {"max_queue": 2, "max_batch_size": 1}, tmp_path) as svc:
-        blocker = hold_model(svc, 1.0)
+        blocker = hold_model(svc, 4)  # longer than the burst takes to arrive on a loaded machine
         rs = parallel([lambda i=i: post(svc, f"?id={i}") for i in range(8)])
         codes = sorted(r.status_code for r in rs)
         assert codes == [200, 200] + [503] * 6, codes
@@ -74,7 +76,7 @@ def test_a_burst_cannot_pass_admission_together(tmp_path):
     """Admission counts a request the moment it arrives, before its body or decode: a
     burst of 40 against max_queue 4 admits at most max_queue plus what the model takes."""
     with ServiceProcess(APP, {"max_queue": 4, "max_batch_size": 1, "cpu_workers": 1}, tmp_path) as svc:
-        hold_model(svc, 1.5)
+        hold_model(svc, 6)  # longer than the burst takes to arrive on a loaded machine
         rs = parallel([lambda i=i: post(svc, f"?id=x{i}&decode_sleep=0.05") for i in range(40)])
         ok = sum(r.status_code == 200 for r in rs)
         assert sum(r.status_code == 503 for r in rs) + ok == 40
@@ -108,7 +110,7 @@ def _quit_while_queued(svc, rid: str) -> None:
 def test_client_disconnecting_while_queued_never_reaches_the_model(tmp_path, batching):
     settings = {"batching": batching, "max_batch_size": 4 if batching else 1}
     with ServiceProcess(APP, settings, tmp_path) as svc:
-        blocker = hold_model(svc, 1.5)
+        blocker = hold_model(svc, 4)
         _quit_while_queued(svc, "quitter")
         wait_for(lambda: httpx.get(svc.url + "/stats").json()["queue_depth"] == 0, what="the quitter dropped")
         assert blocker.result().status_code == 200
@@ -122,7 +124,7 @@ def test_a_dropped_request_behind_others_frees_its_slot_at_once(tmp_path):
     """Dropping a queued request with others ahead of it (numpy payloads compare badly by
     value) must take it out of the queue now, not when the batch loop reaches it."""
     with ServiceProcess(APP, {"max_queue": 3, "max_batch_size": 1}, tmp_path) as svc:
-        blocker = hold_model(svc, 2.0)
+        blocker = hold_model(svc, 4)
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             ahead = [pool.submit(post, svc, f"?id=ahead{i}") for i in range(2)]
             wait_for(lambda: httpx.get(svc.url + "/stats").json()["items_pending"] == 2, what="two queued")
@@ -140,7 +142,7 @@ def test_a_dropped_request_behind_others_frees_its_slot_at_once(tmp_path):
 def test_batches_start_with_the_oldest_and_take_compatible_items_in_order(tmp_path):
     settings = {"batching": True, "max_batch_size": 3}
     with ServiceProcess(APP, settings, tmp_path) as svc:
-        blocker = hold_model(svc, 1.0)
+        blocker = hold_model(svc, 4)
         order = ["a1", "b1", "a2", "a3", "b2", "a4", "b3"]
         with concurrent.futures.ThreadPoolExecutor(len(order)) as pool:
             futs = []
@@ -183,7 +185,7 @@ def test_a_bad_item_fails_alone_in_its_batch(tmp_path):
 def test_a_batch_whose_model_call_raises_is_retried_item_by_item(tmp_path):
     """The OOM item makes the whole batch call raise; the others still succeed alone."""
     with ServiceProcess(APP, {"batching": True, "max_batch_size": 4}, tmp_path) as svc:
-        blocker = hold_model(svc, 0.8)
+        blocker = hold_model(svc, 3)
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             futs = [pool.submit(post, svc, f"?id=r{i}&mode={'oom' if i == 1 else ''}") for i in range(3)]
             codes = [f.result().status_code for f in futs]
@@ -208,7 +210,7 @@ def test_a_cancelled_item_stops_only_when_its_whole_batch_is_cancelled(tmp_path)
     """Two cancellable items share a batch: one client leaves, the other's result still
     comes; when the last one leaves, the model call stops between 'steps'."""
     with ServiceProcess(APP, {"batching": True, "max_batch_size": 2}, tmp_path) as svc:
-        blocker = hold_model(svc, 0.6)
+        blocker = hold_model(svc, 3)
         body = small_png()
 
         def raw_request(rid):
