@@ -24,6 +24,7 @@ from tests.harness import ROOT
 from tests.unit.test_deploy_manifests import STEPS, args_of, env_of, package_version
 
 MANIFEST = (ROOT / "deploy" / "jobs-kubernetes.yaml").read_text()
+README = (ROOT / "README.md").read_text()
 DOCS = list(yaml.safe_load_all(MANIFEST))
 NAMESPACE = next(d for d in DOCS if d["kind"] == "Namespace")
 SECRET = next(d for d in DOCS if d["kind"] == "Secret")
@@ -299,6 +300,7 @@ def test_checkov_skips_carry_their_reasons():
     for _, value in skips:
         check, reason = value.split("=", 1)
         assert re.fullmatch(r"CKV2?_K8S_\d+", check) and len(reason.split()) >= 5
+        assert check in README  # the README lists what is skipped and why
     # secrets as environment variables: only the queue URL of the pools, which url_env reads
     env_secret = {name for name, v in skips if v.startswith("CKV_K8S_35=")}
     assert env_secret == {d["metadata"]["name"] for d in POOLS}
