@@ -315,6 +315,8 @@ def test_redis_keeps_every_accepted_job():
     joined = " ".join(c["args"])
     assert "--appendonly yes" in joined and "--appendfsync always" in joined
     assert "--maxmemory-policy noeviction" in joined
+    # the AOF is the copy: no RDB snapshot to fork for, nor to write at SIGTERM within the grace
+    assert c["args"][c["args"].index("--save") + 1] == ""
     # noeviction means nothing without maxmemory: Redis would grow until its container is killed
     (maxmemory,) = re.findall(r"--maxmemory (\d+)mb", joined)
     limit_mib = int(c["resources"]["limits"]["memory"].removesuffix("Gi")) * 1024

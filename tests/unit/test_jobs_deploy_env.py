@@ -112,7 +112,7 @@ def test_redis_args_and_probe_work_on_a_real_redis(tmp_path):
     assert args[0] == str(conf)  # the image's entrypoint runs redis-server for a first argument *.conf
     port = free_port()
     proc = subprocess.Popen([redis_binary(), *args, "--port", str(port), "--bind", "127.0.0.1",
-                             "--dir", str(tmp_path), "--save", ""],
+                             "--dir", str(tmp_path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         (probe,) = {json.dumps(c[p]["exec"]["command"]) for p in ("startupProbe", "readinessProbe")}
