@@ -161,7 +161,8 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
                         for t in svc.targets],
             "known_models": known,
             "limits": {k: getattr(cfg, k) for k in ("max_body_bytes", "max_image_bytes", "max_pixels",
-                                                    "max_queued_jobs", "run_timeout_s")},
+                                                    "max_queued_jobs", "run_timeout_s", "max_json_depth",
+                                                    "max_result_bytes")},
         }
 
     async def stats_doc() -> tuple[int, dict]:

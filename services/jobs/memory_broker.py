@@ -2,7 +2,9 @@
 
 Same semantics as the Redis backend (states, attempts, dead letters, idempotency, result
 expiry), minus durability: a restart forgets every job. Waiting consumers sleep on an
-asyncio.Condition; expiry is one timer per finished job.
+asyncio.Condition; expiry is one timer per finished job. Memory is bounded: queued jobs by
+max_queued_jobs per model, finished ones by max_finished_jobs and max_results_bytes (the
+oldest finished are forgotten first, as if they had expired).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class MemoryBroker(Broker):
         self._cond = asyncio.Condition()
         self._seq = 0
         self._timers: dict[str, asyncio.TimerHandle] = {}
+        self.finished: collections.OrderedDict[str, int] = collections.OrderedDict()  # id -> result bytes, oldest first
+        self.results_bytes = 0
 
     # ---- helpers ------------------------------------------------------------------
     def _entry(self) -> str:
@@ -50,7 +54,10 @@ class MemoryBroker(Broker):
         self._timers[job_id] = asyncio.get_running_loop().call_later(ttl, self._forget, job_id)
 
     def _forget(self, job_id: str) -> None:
-        self._timers.pop(job_id, None)
+        timer = self._timers.pop(job_id, None)
+        if timer is not None:
+            timer.cancel()
+        self.results_bytes -= self.finished.pop(job_id, 0)
         job = self.jobs.pop(job_id, None)
         self.bodies.pop(job_id, None)
         self.results.pop(job_id, None)
@@ -63,6 +70,12 @@ class MemoryBroker(Broker):
             job["error"] = json.dumps(error)
         self.bodies.pop(job["id"], None)
         self._expire_later(job["id"], self.settings.results_ttl_s)
+        size = len(self.results.get(job["id"], b""))
+        self.finished[job["id"]] = size
+        self.results_bytes += size
+        while self.finished and (len(self.finished) > self.settings.max_finished_jobs
+                                 or self.results_bytes > self.settings.max_results_bytes):
+            self._forget(next(iter(self.finished)))
         self._notify_done(job["id"])
 
     def _dead_letter(self, label: str, job: dict[str, str]) -> None:
@@ -80,13 +93,13 @@ class MemoryBroker(Broker):
         if job.idempotency_key:
             known = self.idem.get(job.idempotency_key)
             if known is not None and known in self.jobs:
-                if self.jobs[known].get("body_sha") != job.body_sha:
+                if self.jobs[known].get("request_sha") != job.request_sha:
                     raise IdempotencyMismatch(known)
                 return Submitted(known, self.jobs[known]["state"], False)
         if len(self.queues[label]) >= self.max_queued:
             raise QueueFull(label)
         fields = {"id": job.id, "service": job.service, "route": job.route, "model": label, "attempts": "0",
-                  "created_at": repr(job.created_at), "body_sha": job.body_sha, "progress": "0",
+                  "created_at": repr(job.created_at), "request_sha": job.request_sha, "progress": "0",
                   "idem": job.idempotency_key or ""}
         self.jobs[job.id] = fields
         self.bodies[job.id] = job.body
