@@ -16,6 +16,7 @@ from services.jobs.payload import build_body, parse_envelope
 from services.jobs.records import (CANCELLED, FAILED, SUCCEEDED, TERMINAL, NewJob, new_id, public_view, render_result,
                                    request_digest, valid_id)
 from services.jobs.service import JobsService
+from services.runtime.body import read_body  # 413 as soon as the size is known; a client gone mid-upload: ClientGone
 from services.runtime.errors import ApiError
 
 IDEMPOTENCY_KEY_RE = re.compile(r"[\x21-\x7e]{1,255}")  # fullmatch: no trailing newline
@@ -30,22 +31,6 @@ SUBMIT_BODY = {"required": True, "content": {"application/json": {"schema": {
         "image": {"type": "string", "description": "base64"},
         "body": {"type": "object", "description": "the route's own JSON body, instead of params and image"}}}}}}
 JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string", "pattern": "^[0-9a-f]{32}$"}}
-
-
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise ApiError(400, "bad_request", "invalid Content-Length")
-        if int(declared) > max_bytes:
-            raise ApiError(413, "body_too_large", f"body of {declared} bytes is over the limit of {max_bytes}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise ApiError(413, "body_too_large", f"body is over the limit of {max_bytes} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _unavailable(svc: JobsService, exc: Exception) -> ApiError:

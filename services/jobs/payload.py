@@ -146,5 +146,8 @@ def build_body(req: SubmitRequest, limits: Limits) -> tuple[bytes, str]:
     check_images(body, limits)
     try:
         return encode_body(body, limits)
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800"): json.loads takes it, UTF-8 cannot hold it
+        raise ApiError(422, "invalid_parameter", "params: a string holds an unpaired surrogate (\\ud800-\\udfff), "
+                       "which is not Unicode text") from None
     except ValueError:
         raise ApiError(422, "invalid_parameter", "params: NaN and infinity are not JSON") from None

@@ -109,6 +109,31 @@ def test_a_body_over_the_limit_is_413_declared_or_chunked(unit):
     assert r.status_code == 413 and error_of(r)["code"] == "body_too_large"
 
 
+@pytest.mark.parametrize("raw,fragment", [
+    (b'{"service": "scripted", "route": "/api/v1/work", "params": {"x": "\\ud800"}}', "surrogate"),
+    (b'{"service": "scripted", "route": "/api/v1/work", "body": {"\\udfff": 1}}', "surrogate"),
+    (b'{"service": "scripted", "route": "/api/v1/work", "model": "\\ud800"}', "model"),
+    (b'{"service": "\\ud800", "route": "/api/v1/work"}', "service"),
+    (b'{"service": "scripted", "route": "/api/v1/\\ud800"}', "route")])
+def test_unpaired_surrogates_are_422_not_500(unit, raw, fragment):
+    r = unit.api.post("/v1/jobs", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert fragment in error_of(r)["message"], r.text
+
+
+def test_a_client_gone_mid_upload_leaves_no_error_behind(unit):
+    before = len(unit.jobs.log_path.read_bytes())
+    for _ in range(5):
+        with socket.create_connection(("127.0.0.1", unit.jobs.port), timeout=5) as s:
+            s.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 90000\r\n\r\n" + b'{"service": "scripted", ' + b" " * 4000)
+            time.sleep(0.2)
+    time.sleep(0.5)
+    assert unit.api.get("/healthz").status_code == 200
+    log = unit.jobs.log_path.read_bytes()[before:].decode(errors="replace")
+    assert "Traceback" not in log and "Exception in ASGI" not in log, log[-3000:]
+
+
 # ---- paths and ids -----------------------------------------------------------------------
 @pytest.mark.parametrize("route", [
     WORK + "\n", WORK + "\r\n", "/api/v1/./work", "/api/v1/work/.", "/api/v1/../v1/work", "/api/v1/work/..",
