@@ -83,9 +83,8 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
                      idem, time.time())
         try:
             sub = await svc.broker.submit(job, label)
-        except QueueFull:
-            raise ApiError(503, "queue_full", f"{settings.max_queued_jobs} jobs are already waiting for {label}",
-                           {"Retry-After": str(settings.retry_after_s)}) from None
+        except QueueFull as exc:
+            raise ApiError(503, "queue_full", str(exc), {"Retry-After": str(settings.retry_after_s)}) from None
         except QueueUnavailable as exc:
             raise _unavailable(svc, exc) from None
         except IdempotencyMismatch as exc:

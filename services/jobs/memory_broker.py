@@ -29,6 +29,7 @@ class MemoryBroker(Broker):
         self.settings, self.node, self.max_queued, self.clock = settings, node, max_queued, clock
         self.jobs: dict[str, dict[str, str]] = {}
         self.bodies: dict[str, bytes] = {}
+        self.bodies_bytes = 0      # the bodies of queued and running jobs
         self.results: dict[str, bytes] = {}
         self.idem: dict[str, str] = {}
         self.queues: dict[str, collections.deque[tuple[str, str]]] = collections.defaultdict(collections.deque)
@@ -59,7 +60,7 @@ class MemoryBroker(Broker):
             timer.cancel()
         self.results_bytes -= self.finished.pop(job_id, 0)
         job = self.jobs.pop(job_id, None)
-        self.bodies.pop(job_id, None)
+        self.bodies_bytes -= len(self.bodies.pop(job_id, b""))
         self.results.pop(job_id, None)
         if job and job.get("idem") and self.idem.get(job["idem"]) == job_id:
             del self.idem[job["idem"]]
@@ -68,7 +69,7 @@ class MemoryBroker(Broker):
         job.update(state=state, finished_at=repr(self.clock()), progress="1")
         if error is not None:
             job["error"] = json.dumps(error)
-        self.bodies.pop(job["id"], None)
+        self.bodies_bytes -= len(self.bodies.pop(job["id"], b""))
         self._expire_later(job["id"], self.settings.results_ttl_s)
         size = len(self.results.get(job["id"], b""))
         self.finished[job["id"]] = size
@@ -97,12 +98,16 @@ class MemoryBroker(Broker):
                     raise IdempotencyMismatch(known)
                 return Submitted(known, self.jobs[known]["state"], False)
         if len(self.queues[label]) >= self.max_queued:
-            raise QueueFull(label)
+            raise QueueFull(f"{self.max_queued} jobs are already waiting for {label}")
+        if self.bodies_bytes + len(job.body) > self.settings.max_queued_bytes:
+            raise QueueFull(f"the jobs waiting or running hold {self.bodies_bytes} bytes; this one would take "
+                            f"them over queue.max_queued_bytes ({self.settings.max_queued_bytes})")
         fields = {"id": job.id, "service": job.service, "route": job.route, "model": label, "attempts": "0",
                   "created_at": repr(job.created_at), "request_sha": job.request_sha, "progress": "0",
                   "idem": job.idempotency_key or ""}
         self.jobs[job.id] = fields
         self.bodies[job.id] = job.body
+        self.bodies_bytes += len(job.body)
         if job.idempotency_key:
             self.idem[job.idempotency_key] = job.id
         async with self._cond:

@@ -206,7 +206,7 @@ class RedisBroker(Broker):
                                         repr(self.clock()), *flat])
                 verdict = _s(out[0])
                 if verdict == "full":
-                    raise QueueFull(label)
+                    raise QueueFull(f"{self.max_queued} jobs are already waiting for {label}")
                 if verdict == "ok":
                     return Submitted(job.id, QUEUED, True)
             raise QueueUnavailable("the Idempotency-Key kept racing")

@@ -50,6 +50,8 @@ class QueueSettings(_Strict):
                                    "kept in memory; beyond, the oldest finished are forgotten before results_ttl_s")
     max_results_bytes: int = Field(2**30, ge=1024, le=2**40, description="embedded queue: bytes of results kept "
                                    "in memory; beyond, the oldest finished jobs are forgotten")
+    max_queued_bytes: int = Field(2**30, ge=1024, le=2**40, description="embedded queue: bytes of the bodies of "
+                                  "queued and running jobs; a submit beyond gets 503 queue_full")
 
     def resolved_url(self, environ=os.environ) -> str | None:
         """The Redis URL, or None for the embedded queue. A url_env naming a variable that is

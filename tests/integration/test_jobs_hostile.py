@@ -270,7 +270,9 @@ def test_idle_connections_are_closed_and_do_not_lock_out_clients(unit):
 # ---- the embedded queue's bounds ---------------------------------------------------------
 def test_the_embedded_queue_evicts_its_oldest_finished_jobs(tmp_path):
     u = Unit(tmp_path, "small", targets={"scripted": (TARGET_APP, {"model": "m1"})},
-             queue={"max_finished_jobs": 3, "max_results_bytes": 100_000}, max_result_bytes=50_000)
+             target_settings={"scripted": {"max_in_flight": 1}},
+             queue={"max_finished_jobs": 3, "max_results_bytes": 100_000, "max_queued_bytes": 100_000},
+             max_result_bytes=50_000)
     try:
         start_units(u)
         ids = []
@@ -287,6 +289,14 @@ def test_the_embedded_queue_evicts_its_oldest_finished_jobs(tmp_path):
         seen = [u.api.get(f"/v1/jobs/{i}", params={"result": "false"}).status_code for i in big]
         assert seen == [404, 200, 200], seen
         assert u.api.get(f"/v1/jobs/{big[2]}/result").status_code == 200
+        # the bodies of waiting jobs: one runs for a while, three of 30 kB wait, a fourth does not fit
+        held = [u.submit("scripted", WORK, params={"tag": "hold", "sleep_s": 2})["id"]]
+        held += [u.submit("scripted", WORK, params={"tag": f"q{i}", "p": "x" * 30_000})["id"] for i in range(3)]
+        r = u.api.post("/v1/jobs", json={"service": "scripted", "route": WORK, "params": {"p": "x" * 30_000}})
+        assert r.status_code == 503 and r.headers["retry-after"], r.text
+        assert error_of(r)["code"] == "queue_full" and "max_queued_bytes" in error_of(r)["message"]
+        assert u.wait(held[-1])["state"] == "succeeded"  # the last to run (the first are evicted by now)
+        assert u.wait(u.submit("scripted", WORK, params={"tag": "room", "p": "x" * 30_000})["id"])["state"] == "succeeded"
     finally:
         u.stop()
 

@@ -132,7 +132,8 @@ def test_default_settings_are_embedded_and_sane():
     s = JobsSettings.model_validate({})
     assert s.queue.resolved_url() is None and s.queue.max_attempts == 3 and s.consume
     assert (s.queue.op_timeout_s, s.queue.max_connections, s.queue.max_finished_jobs) == (5.0, 64, 100_000)
-    assert (s.queue.max_results_bytes, s.max_result_bytes, s.max_json_depth) == (2**30, 128 * 2**20, 33)
+    assert (s.queue.max_results_bytes, s.queue.max_queued_bytes) == (2**30, 2**30)
+    assert (s.max_result_bytes, s.max_json_depth) == (128 * 2**20, 33)
 
 
 def test_a_queue_url_variable_must_name_a_url():
