@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
-import signal
 import socket
 import time
 
@@ -165,7 +163,8 @@ def test_unicode_and_near_miss_ids_are_404(unit, job_id):
 
 @pytest.mark.parametrize("key", ["k\u00e9y", "a b", "", "x" * 256])
 def test_a_bad_idempotency_key_is_400(unit, key):
-    r = unit.api.post("/v1/jobs", json={"service": "scripted", "route": WORK}, headers={"Idempotency-Key": key.encode()})
+    r = unit.api.post("/v1/jobs", json={"service": "scripted", "route": WORK},
+                      headers={"Idempotency-Key": key.encode()})
     assert r.status_code == 400 and error_of(r)["code"] == "bad_idempotency_key", r.text
 
 
@@ -296,7 +295,8 @@ def test_the_embedded_queue_evicts_its_oldest_finished_jobs(tmp_path):
         assert r.status_code == 503 and r.headers["retry-after"], r.text
         assert error_of(r)["code"] == "queue_full" and "max_queued_bytes" in error_of(r)["message"]
         assert u.wait(held[-1])["state"] == "succeeded"  # the last to run (the first are evicted by now)
-        assert u.wait(u.submit("scripted", WORK, params={"tag": "room", "p": "x" * 30_000})["id"])["state"] == "succeeded"
+        room = u.submit("scripted", WORK, params={"tag": "room", "p": "x" * 30_000})
+        assert u.wait(room["id"])["state"] == "succeeded"
     finally:
         u.stop()
 
