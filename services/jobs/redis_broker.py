@@ -155,7 +155,8 @@ class RedisBroker(Broker):
     def describe(self) -> dict[str, Any]:
         return {"mode": self.mode, "url": redact(self.url), "prefix": self.p, "group": self.group,
                 "consumer": self.consumer, "visibility_timeout_s": self.settings.visibility_timeout_s,
-                "max_attempts": self.settings.max_attempts, "results_ttl_s": self.settings.results_ttl_s}
+                "max_attempts": self.settings.max_attempts, "results_ttl_s": self.settings.results_ttl_s,
+                "op_timeout_s": self.settings.op_timeout_s, "max_connections": self.settings.max_connections}
 
     async def _listen(self) -> None:
         delay = 0.1

@@ -308,12 +308,13 @@ def redis_connections(pid: int, port: int) -> int:
 
 
 def test_redis_that_hangs_gives_503_quickly_and_a_bounded_pool(tmp_path):
-    srv = RedisServer(tmp_path).start()
+    srv = RedisServer(tmp_path)
     u = Unit(tmp_path, "stuck", targets={"scripted": (TARGET_APP, {"model": "m1"}),
                                           "bare": (TARGET_APP, {"model": "m2", "openapi": False})},
              target_settings={"bare": {"routes": [WORK]}},
              queue={"url": srv.url, "prefix": "stuck", "op_timeout_s": 1.0, "max_connections": 4})
     try:
+        srv.start()
         start_units(u)
         idempotency_rules(u, "stuck-key")
         job_id = u.submit("scripted", WORK, params={"tag": "before"})["id"]
