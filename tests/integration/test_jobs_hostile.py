@@ -16,6 +16,7 @@ import httpx
 import psutil
 import pytest
 
+from tests.harness import ROOT, SupervisorRun, fake_service, free_port
 from tests.jobs_harness import IMG2IMG_APP, JOBS_APP, TARGET_APP, Proc, Unit, start_units
 from tests.redis_server import RedisServer
 
@@ -368,3 +369,14 @@ def test_a_queue_url_variable_that_is_missing_stops_the_start(tmp_path, value):
         assert "Traceback" not in out, out
     finally:
         p.kill()
+
+
+def test_the_supervisor_stops_the_unit_with_78_when_the_queue_url_variable_is_missing(tmp_path):
+    jobs = {"app": JOBS_APP, "port": free_port(), "threads": 1, "env": {"PYTHONPATH": str(ROOT)},
+            "settings": {"queue": {"url_env": "ONECARD_TEST_JOBS_QUEUE_URL"}}}
+    with SupervisorRun(tmp_path, {"jobs": jobs, "other": fake_service()}) as run:
+        assert run.wait_exit(60) == 78
+        out = run.output()
+        assert "jobs: exited with code 78; stopping every service" in out, out
+        assert "queue.url_env: the environment variable ONECARD_TEST_JOBS_QUEUE_URL is not set" in out, out
+        assert not run.wait_no_leftovers()
