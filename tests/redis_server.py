@@ -78,6 +78,15 @@ class RedisServer:
         except OSError:
             return ""
 
+    def pause(self) -> None:
+        """SIGSTOP: connections still open (the kernel completes them), nothing answers: a hung Redis."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL: no shutdown save, no goodbye to the clients."""
         if self.proc is not None and self.proc.poll() is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from typing import Any
@@ -13,11 +14,13 @@ from fastapi.responses import JSONResponse, Response
 from services.jobs.broker import IdempotencyMismatch, QueueFull, QueueUnavailable
 from services.jobs.payload import build_body, parse_envelope
 from services.jobs.records import (CANCELLED, FAILED, SUCCEEDED, TERMINAL, NewJob, new_id, public_view, render_result,
-                                   valid_id)
+                                   request_digest, valid_id)
 from services.jobs.service import JobsService
+from services.runtime.body import read_body  # 413 as soon as the size is known; a client gone mid-upload: ClientGone
 from services.runtime.errors import ApiError
 
-IDEMPOTENCY_KEY_RE = re.compile(r"^[\x21-\x7e]{1,255}$")
+IDEMPOTENCY_KEY_RE = re.compile(r"[\x21-\x7e]{1,255}")  # fullmatch: no trailing newline
+SECONDS_RE = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")   # ASCII digits only: float() takes any script's
 
 SUBMIT_BODY = {"required": True, "content": {"application/json": {"schema": {
     "type": "object", "required": ["service", "route"], "additionalProperties": False, "properties": {
@@ -28,22 +31,6 @@ SUBMIT_BODY = {"required": True, "content": {"application/json": {"schema": {
         "image": {"type": "string", "description": "base64"},
         "body": {"type": "object", "description": "the route's own JSON body, instead of params and image"}}}}}}
 JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string", "pattern": "^[0-9a-f]{32}$"}}
-
-
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise ApiError(400, "bad_request", "invalid Content-Length")
-        if int(declared) > max_bytes:
-            raise ApiError(413, "body_too_large", f"body of {declared} bytes is over the limit of {max_bytes}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise ApiError(413, "body_too_large", f"body is over the limit of {max_bytes} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _unavailable(svc: JobsService, exc: Exception) -> ApiError:
@@ -79,10 +66,10 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
         if ctype != "application/json":
             raise ApiError(415, "unsupported_media_type", "send the job as application/json")
         idem = request.headers.get("idempotency-key")
-        if idem is not None and not IDEMPOTENCY_KEY_RE.match(idem):
+        if idem is not None and not IDEMPOTENCY_KEY_RE.fullmatch(idem):
             raise ApiError(400, "bad_idempotency_key", "Idempotency-Key: 1 to 255 visible ASCII characters")
         raw = await read_body(request, settings.max_body_bytes)
-        req = await svc.cpu(len(raw), parse_envelope, raw)
+        req = await svc.cpu(len(raw), parse_envelope, raw, settings.max_json_depth)
         try:
             label, limits, target = await svc.resolve(req)
         except QueueUnavailable as exc:
@@ -92,17 +79,17 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
             rejected = await target.dry_run(req.route, body)
             if rejected is not None:
                 raise rejected
-        job = NewJob(new_id(), req.service, req.route, label, body, sha, idem, time.time())
+        job = NewJob(new_id(), req.service, req.route, label, body, request_digest(req.service, req.route, label, sha),
+                     idem, time.time())
         try:
             sub = await svc.broker.submit(job, label)
-        except QueueFull:
-            raise ApiError(503, "queue_full", f"{settings.max_queued_jobs} jobs are already waiting for {label}",
-                           {"Retry-After": str(settings.retry_after_s)}) from None
+        except QueueFull as exc:
+            raise ApiError(503, "queue_full", str(exc), {"Retry-After": str(settings.retry_after_s)}) from None
         except QueueUnavailable as exc:
             raise _unavailable(svc, exc) from None
         except IdempotencyMismatch as exc:
-            raise ApiError(422, "idempotency_key_reused", f"this Idempotency-Key was used for job {exc} with a "
-                           "different request") from None
+            raise ApiError(422, "idempotency_key_reused", f"this Idempotency-Key was used for job {exc}, another "
+                           "request (service, route, model or body differ)") from None
         if sub.created:
             svc.metrics.count("submitted")
         headers = {"Location": location(sub.id)}
@@ -121,12 +108,9 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
         want = request.query_params.get("result", "true").lower() not in ("0", "false", "no")
         wait_s = 0.0
         if (wait := request.query_params.get("wait")) is not None:
-            try:
-                wait_s = min(float(wait), settings.max_wait_s)
-            except ValueError:
-                raise ApiError(422, "invalid_parameter", "wait: expected seconds") from None
-            if not wait_s >= 0:
-                raise ApiError(422, "invalid_parameter", "wait: expected seconds >= 0")
+            if not SECONDS_RE.fullmatch(wait) or not math.isfinite(float(wait)):
+                raise ApiError(422, "invalid_parameter", "wait: expected seconds, such as 10 or 2.5")
+            wait_s = min(float(wait), settings.max_wait_s)
         if not valid_id(job_id):
             raise ApiError(404, "job_not_found", "no such job (ids are 32 hex digits)")
         try:

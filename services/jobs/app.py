@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from services.jobs.api import add_routes
 from services.jobs.service import JobsService
 from services.jobs.settings import JobsSettings
-from services.runtime.errors import error_response, install_error_handlers
+from services.runtime.errors import ClientGone, error_response, install_error_handlers
 from services.runtime.probes import Heartbeat, ProbeServer, json_route
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/stats"})
@@ -117,6 +117,10 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
     # what services.runtime.serve reads: the connection limits, and `draining` set on SIGTERM
     app.state.ctx = SimpleNamespace(settings=cfg, draining=False)
     install_error_handlers(app)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request, exc):  # left mid-upload: nobody reads this, and it is not our failure to log
+        return error_response(499, "client_closed", "the client closed the connection before its answer")
     ident = {"instance": instance, "pid": os.getpid()}
 
     heartbeat = Heartbeat()
@@ -161,7 +165,8 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
                         for t in svc.targets],
             "known_models": known,
             "limits": {k: getattr(cfg, k) for k in ("max_body_bytes", "max_image_bytes", "max_pixels",
-                                                    "max_queued_jobs", "run_timeout_s")},
+                                                    "max_queued_jobs", "run_timeout_s", "max_json_depth",
+                                                    "max_result_bytes")},
         }
 
     async def stats_doc() -> tuple[int, dict]:

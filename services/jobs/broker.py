@@ -38,15 +38,20 @@ class IdempotencyMismatch(Exception):
 class ModelInfo:
     label: str
     service: str
-    routes: list[str] | None = None
+    routes: list[str] | None = None            # None: no unit has announced the model yet
     limits: dict[str, Any] = field(default_factory=dict)
+    control_routes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"label": self.label, "service": self.service, "routes": self.routes, "limits": self.limits}
+        return {"label": self.label, "service": self.service, "routes": self.routes, "limits": self.limits,
+                "control_routes": self.control_routes}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> "ModelInfo":
-        return cls(str(doc["label"]), str(doc["service"]), doc.get("routes"), doc.get("limits") or {})
+        routes, control = doc.get("routes"), doc.get("control_routes")
+        return cls(str(doc["label"]), str(doc["service"]),
+                   [str(r) for r in routes] if isinstance(routes, list) else None, doc.get("limits") or {},
+                   [str(r) for r in control] if isinstance(control, list) else [])
 
 
 @dataclass

@@ -21,7 +21,7 @@ from services.jobs.metrics import JobsMetrics
 from services.jobs.outcome import Verdict, classify, retry_after_s
 from services.jobs.records import CANCELLED, FAILED, KEPT_HEADERS, SUCCEEDED, Delivery, Outcome, error_doc
 from services.jobs.settings import JobsSettings
-from services.jobs.targets import Target, TargetTimeout, TargetUnreachable
+from services.jobs.targets import ResultTooLarge, Target, TargetTimeout, TargetUnreachable
 
 log = logging.getLogger("onecard.jobs")
 CANCEL, SHUTDOWN = "cancel", "shutdown"
@@ -212,10 +212,9 @@ class Consumer:
 
     async def _attempt(self, d: Delivery) -> None:
         run = self.running[d.job_id]
-        routes = self.target.routes
-        if routes is not None and d.route not in routes:
+        if d.route not in self.target.routes:  # a queue entry is not trusted: only known job routes run
             await self._finish(d, Outcome(FAILED, error=error_doc(
-                "unknown_route", f"{d.route} is not a POST route of {self.target.name} on this unit", 404)))
+                "unknown_route", f"{d.route[:300]!r} is not a job route of {self.target.name} on this unit", 404)))
             return
         held_until = time.monotonic() + self.settings.backpressure_requeue_s
         while True:
@@ -224,6 +223,9 @@ class Consumer:
             except TargetTimeout:
                 await self._requeue(d, error_doc("timeout", f"no answer from {self.target.name} within "
                                                  f"{self.settings.run_timeout_s:g} s"), counted=True)
+                return
+            except ResultTooLarge as exc:  # the same job would answer as much again: not retried
+                await self._finish(d, Outcome(FAILED, error=error_doc("result_too_large", str(exc))))
                 return
             except TargetUnreachable as exc:
                 self.target.up = False  # checked again before this consumer takes more

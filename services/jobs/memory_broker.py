@@ -2,7 +2,9 @@
 
 Same semantics as the Redis backend (states, attempts, dead letters, idempotency, result
 expiry), minus durability: a restart forgets every job. Waiting consumers sleep on an
-asyncio.Condition; expiry is one timer per finished job.
+asyncio.Condition; expiry is one timer per finished job. Memory is bounded: queued jobs by
+max_queued_jobs per model, finished ones by max_finished_jobs and max_results_bytes (the
+oldest finished are forgotten first, as if they had expired).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class MemoryBroker(Broker):
         self.settings, self.node, self.max_queued, self.clock = settings, node, max_queued, clock
         self.jobs: dict[str, dict[str, str]] = {}
         self.bodies: dict[str, bytes] = {}
+        self.bodies_bytes = 0      # the bodies of queued and running jobs
         self.results: dict[str, bytes] = {}
         self.idem: dict[str, str] = {}
         self.queues: dict[str, collections.deque[tuple[str, str]]] = collections.defaultdict(collections.deque)
@@ -37,6 +40,8 @@ class MemoryBroker(Broker):
         self._cond = asyncio.Condition()
         self._seq = 0
         self._timers: dict[str, asyncio.TimerHandle] = {}
+        self.finished: collections.OrderedDict[str, int] = collections.OrderedDict()  # id -> result bytes, oldest first
+        self.results_bytes = 0
 
     # ---- helpers ------------------------------------------------------------------
     def _entry(self) -> str:
@@ -50,9 +55,12 @@ class MemoryBroker(Broker):
         self._timers[job_id] = asyncio.get_running_loop().call_later(ttl, self._forget, job_id)
 
     def _forget(self, job_id: str) -> None:
-        self._timers.pop(job_id, None)
+        timer = self._timers.pop(job_id, None)
+        if timer is not None:
+            timer.cancel()
+        self.results_bytes -= self.finished.pop(job_id, 0)
         job = self.jobs.pop(job_id, None)
-        self.bodies.pop(job_id, None)
+        self.bodies_bytes -= len(self.bodies.pop(job_id, b""))
         self.results.pop(job_id, None)
         if job and job.get("idem") and self.idem.get(job["idem"]) == job_id:
             del self.idem[job["idem"]]
@@ -61,8 +69,14 @@ class MemoryBroker(Broker):
         job.update(state=state, finished_at=repr(self.clock()), progress="1")
         if error is not None:
             job["error"] = json.dumps(error)
-        self.bodies.pop(job["id"], None)
+        self.bodies_bytes -= len(self.bodies.pop(job["id"], b""))
         self._expire_later(job["id"], self.settings.results_ttl_s)
+        size = len(self.results.get(job["id"], b""))
+        self.finished[job["id"]] = size
+        self.results_bytes += size
+        while self.finished and (len(self.finished) > self.settings.max_finished_jobs
+                                 or self.results_bytes > self.settings.max_results_bytes):
+            self._forget(next(iter(self.finished)))
         self._notify_done(job["id"])
 
     def _dead_letter(self, label: str, job: dict[str, str]) -> None:
@@ -80,16 +94,20 @@ class MemoryBroker(Broker):
         if job.idempotency_key:
             known = self.idem.get(job.idempotency_key)
             if known is not None and known in self.jobs:
-                if self.jobs[known].get("body_sha") != job.body_sha:
+                if self.jobs[known].get("request_sha") != job.request_sha:
                     raise IdempotencyMismatch(known)
                 return Submitted(known, self.jobs[known]["state"], False)
         if len(self.queues[label]) >= self.max_queued:
-            raise QueueFull(label)
+            raise QueueFull(f"{self.max_queued} jobs are already waiting for {label}")
+        if self.bodies_bytes + len(job.body) > self.settings.max_queued_bytes:
+            raise QueueFull(f"the jobs waiting or running hold {self.bodies_bytes} bytes; this one would take "
+                            f"them over queue.max_queued_bytes ({self.settings.max_queued_bytes})")
         fields = {"id": job.id, "service": job.service, "route": job.route, "model": label, "attempts": "0",
-                  "created_at": repr(job.created_at), "body_sha": job.body_sha, "progress": "0",
+                  "created_at": repr(job.created_at), "request_sha": job.request_sha, "progress": "0",
                   "idem": job.idempotency_key or ""}
         self.jobs[job.id] = fields
         self.bodies[job.id] = job.body
+        self.bodies_bytes += len(job.body)
         if job.idempotency_key:
             self.idem[job.idempotency_key] = job.id
         async with self._cond:

@@ -12,16 +12,16 @@ import binascii
 import hashlib
 import io
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from services.jobs.settings import valid_route
+from services.runtime.body import parse_json
 from services.runtime.errors import ApiError
 
-SERVICE_RE = r"^[a-z][a-z0-9_-]{0,31}$"
-ROUTE_RE = re.compile(r"^(/[A-Za-z0-9_.-]+)+$")
+SERVICE_RE = r"^[a-z][a-z0-9_-]{0,31}$"  # pydantic's (Rust) regex: "$" is the very end
 IMAGE_FIELDS = ("image", "style_image", "mask")
 IMAGE_LIST_FIELDS = ("init_images",)
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP")
@@ -45,11 +45,10 @@ class Limits:
     max_body_bytes: int | None = None   # the target service's own body limit, when known
 
 
-def parse_envelope(raw: bytes) -> SubmitRequest:
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise ApiError(400, "bad_json", "the body is not valid JSON") from None
+def parse_envelope(raw: bytes, max_depth: int) -> SubmitRequest:
+    """The submit, validated: 400 for JSON nested deeper than ``max_depth`` (the runtime's
+    own parser: no RecursionError), 422 for NaN or infinite numbers and wrong types."""
+    doc = parse_json(raw, max_depth)
     if not isinstance(doc, dict):
         raise ApiError(422, "invalid_parameter", "body: expected a JSON object")
     try:
@@ -58,8 +57,9 @@ def parse_envelope(raw: bytes) -> SubmitRequest:
         e = exc.errors()[0]
         where = ".".join(str(p) for p in e["loc"]) or "request"
         raise ApiError(422, "invalid_parameter", f"{where}: {e['msg']}") from None
-    if not ROUTE_RE.match(req.route) or ".." in req.route.split("/"):
-        raise ApiError(422, "invalid_parameter", "route: expected a path such as /api/v1/img2img")
+    if not valid_route(req.route):
+        raise ApiError(422, "invalid_parameter", "route: expected a path such as /api/v1/img2img (letters, "
+                       "digits, '_', '-', '.'; no '.' or '..' segment)")
     if req.body is not None and (req.params is not None or req.image is not None):
         raise ApiError(422, "invalid_parameter", "body: send either 'body' or 'params'/'image', not both")
     return req
@@ -146,5 +146,8 @@ def build_body(req: SubmitRequest, limits: Limits) -> tuple[bytes, str]:
     check_images(body, limits)
     try:
         return encode_body(body, limits)
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800"): json.loads takes it, UTF-8 cannot hold it
+        raise ApiError(422, "invalid_parameter", "params: a string holds an unpaired surrogate (\\ud800-\\udfff), "
+                       "which is not Unicode text") from None
     except ValueError:
         raise ApiError(422, "invalid_parameter", "params: NaN and infinity are not JSON") from None

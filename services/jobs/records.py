@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import re
 import uuid
@@ -11,7 +12,7 @@ from typing import Any
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
-ID_RE = re.compile(r"^[0-9a-f]{32}$")
+ID_RE = re.compile(r"[0-9a-f]{32}")  # with fullmatch: "$" would let a trailing newline through
 # headers of a service's answer worth keeping with its result
 KEPT_HEADERS = ("x-seed", "server-timing")
 
@@ -21,7 +22,13 @@ def new_id() -> str:
 
 
 def valid_id(job_id: str) -> bool:
-    return bool(ID_RE.match(job_id))
+    return ID_RE.fullmatch(job_id) is not None
+
+
+def request_digest(service: str, route: str, model: str, body_sha: str) -> str:
+    """What makes two submits the same job, for an Idempotency-Key: the service, the route, the
+    model label and the body sent to the service (a reused key with any of them changed is 422)."""
+    return hashlib.sha256(json.dumps([service, route, model, body_sha]).encode()).hexdigest()
 
 
 @dataclass
@@ -32,7 +39,7 @@ class NewJob:
     route: str
     model: str
     body: bytes                    # the JSON body sent to the service
-    body_sha: str                  # compared when an Idempotency-Key is reused
+    request_sha: str               # request_digest(): compared when an Idempotency-Key is reused
     idempotency_key: str | None
     created_at: float
 

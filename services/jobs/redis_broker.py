@@ -11,6 +11,7 @@ XAUTOCLAIM by a unit that has room. Every state change is one Lua script
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -45,6 +46,24 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+def _deadline(method):
+    """Every Redis operation ends within op_timeout_s (plus the blocking read's own wait for
+    take): a Redis that hangs (stopped, swapping, a network that drops packets) is
+    QueueUnavailable, a 503 for the API and a retry for the consumer, never a hung request.
+    A command cut mid-way closes its connection (redis-py), so no reply is read out of turn."""
+    extra = method.__name__ == "take"
+
+    @functools.wraps(method)
+    async def bounded(self, *args, **kwargs):
+        limit = self.settings.op_timeout_s + (self.block_s if extra else 0.0)
+        try:
+            async with asyncio.timeout(limit):
+                return await method(self, *args, **kwargs)
+        except TimeoutError:
+            raise QueueUnavailable(f"no answer from Redis within {limit:g} s") from None
+    return bounded
+
+
 class RedisBroker(Broker):
     mode = "redis"
 
@@ -60,12 +79,19 @@ class RedisBroker(Broker):
         self.ttl_ms = int(settings.results_ttl_s * 1000)
         self.reclaim_period_s = max(0.2, settings.visibility_timeout_s / 2)
         self.block_s = min(MAX_BLOCK_S, self.reclaim_period_s)
-        kw = dict(socket_connect_timeout=2, health_check_interval=15,
+        op_s = settings.op_timeout_s
+        kw = dict(socket_connect_timeout=min(2.0, op_s), health_check_interval=15,
                   retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2))
-        self.r = aioredis.from_url(url, socket_timeout=10, **kw)
+
+        def pool(socket_timeout: float | None) -> aioredis.Redis:
+            # bounded: a flood of requests waits (within op_timeout_s) for one of
+            # max_connections, instead of opening a connection each until Redis refuses
+            return aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
+                url, max_connections=settings.max_connections, timeout=op_s, socket_timeout=socket_timeout, **kw))
+        self.r = pool(op_s)
         # blocking reads hold their connection for block_s: their own pool, a longer timeout
-        self.blocking = aioredis.from_url(url, socket_timeout=self.block_s + 10, **kw)
-        self.listener = aioredis.from_url(url, socket_timeout=None, **kw)
+        self.blocking = pool(self.block_s + op_s)
+        self.listener = aioredis.from_url(url, socket_timeout=None, **kw)  # one pub/sub connection
         self.scripts = {name: self.r.register_script(getattr(lua, name))
                         for name in ("SUBMIT", "START", "RENEW", "FINISH", "REQUEUE", "CANCEL", "DISCARD")}
         self._next_reclaim: dict[str, float] = {}
@@ -105,6 +131,7 @@ class RedisBroker(Broker):
             raise QueueUnavailable(str(exc)) from exc
 
     # ---- lifecycle --------------------------------------------------------------------
+    @_deadline
     async def start(self) -> None:
         try:
             await self.r.ping()
@@ -128,7 +155,8 @@ class RedisBroker(Broker):
     def describe(self) -> dict[str, Any]:
         return {"mode": self.mode, "url": redact(self.url), "prefix": self.p, "group": self.group,
                 "consumer": self.consumer, "visibility_timeout_s": self.settings.visibility_timeout_s,
-                "max_attempts": self.settings.max_attempts, "results_ttl_s": self.settings.results_ttl_s}
+                "max_attempts": self.settings.max_attempts, "results_ttl_s": self.settings.results_ttl_s,
+                "op_timeout_s": self.settings.op_timeout_s, "max_connections": self.settings.max_connections}
 
     async def _listen(self) -> None:
         delay = 0.1
@@ -154,6 +182,7 @@ class RedisBroker(Broker):
             delay = min(2.0, delay * 2)
 
     # ---- the API side -------------------------------------------------------------
+    @_deadline
     async def submit(self, job: NewJob, label: str) -> Submitted:
         idem = self.idem_key(job.idempotency_key) if job.idempotency_key else ""
         try:
@@ -161,14 +190,14 @@ class RedisBroker(Broker):
                 if idem:
                     known = await self.r.get(idem)
                     if known is not None:
-                        state, sha = await self.r.hmget(self.job_key(_s(known)), "state", "body_sha")
+                        state, sha = await self.r.hmget(self.job_key(_s(known)), "state", "request_sha")
                         if state is not None:
-                            if _s(sha) != job.body_sha:
+                            if _s(sha) != job.request_sha:
                                 raise IdempotencyMismatch(_s(known))
                             return Submitted(_s(known), _s(state), False)
                         await self.r.delete(idem)  # its job expired: the key starts afresh
                 fields = {"id": job.id, "service": job.service, "route": job.route, "model": label,
-                          "attempts": 0, "created_at": repr(job.created_at), "body_sha": job.body_sha,
+                          "attempts": 0, "created_at": repr(job.created_at), "request_sha": job.request_sha,
                           "progress": 0, "state": QUEUED}
                 flat = [x for kv in fields.items() for x in kv]
                 out = await self._call("SUBMIT", [self.job_key(job.id), self.body_key(job.id), self.stream(label),
@@ -178,13 +207,14 @@ class RedisBroker(Broker):
                                         repr(self.clock()), *flat])
                 verdict = _s(out[0])
                 if verdict == "full":
-                    raise QueueFull(label)
+                    raise QueueFull(f"{self.max_queued} jobs are already waiting for {label}")
                 if verdict == "ok":
                     return Submitted(job.id, QUEUED, True)
             raise QueueUnavailable("the Idempotency-Key kept racing")
         except (RedisError, OSError) as exc:
             raise QueueUnavailable(str(exc)) from exc
 
+    @_deadline
     async def get(self, job_id: str) -> dict[str, str] | None:
         try:
             raw = await self.r.hgetall(self.job_key(job_id))
@@ -192,12 +222,14 @@ class RedisBroker(Broker):
             raise QueueUnavailable(str(exc)) from exc
         return {_s(k): _s(v) for k, v in raw.items()} or None
 
+    @_deadline
     async def result(self, job_id: str) -> bytes | None:
         try:
             return await self.r.get(self.result_key(job_id))
         except (RedisError, OSError) as exc:
             raise QueueUnavailable(str(exc)) from exc
 
+    @_deadline
     async def read(self, job_id: str, with_result: bool) -> tuple[dict[str, str], bytes | None] | None:
         """One round trip for both (a result is kept as long as its job)."""
         try:
@@ -213,12 +245,14 @@ class RedisBroker(Broker):
             return None
         return fields, (res[1] if with_result and fields.get("state") == "succeeded" else None)
 
+    @_deadline
     async def cancel(self, job_id: str) -> tuple[str, dict[str, str]] | None:
         verdict = _s(await self._call("CANCEL", [self.job_key(job_id), self.body_key(job_id)],
                                       [repr(self.clock()), self.ttl_ms, self.channel, job_id, self.done_channel]))
         fields = await self.get(job_id) if verdict != "missing" else None
         return (verdict, fields) if fields else None
 
+    @_deadline
     async def models(self) -> dict[str, ModelInfo]:
         now = time.monotonic()
         if self._models_cache and now - self._models_cache[0] < 2.0:
@@ -236,6 +270,7 @@ class RedisBroker(Broker):
         self._models_cache = (now, out)
         return out
 
+    @_deadline
     async def announce(self, info: ModelInfo) -> None:
         try:
             await self.r.hset(f"{self.p}:models", info.label, json.dumps(info.to_json()))
@@ -275,6 +310,7 @@ class RedisBroker(Broker):
             out += [(_s(e), f) for e, f in entries]
         return out
 
+    @_deadline
     async def take(self, label: str, count: int, block_s: float) -> list[Delivery]:
         try:
             entries = await self._read(label, count, block_s)
@@ -303,6 +339,7 @@ class RedisBroker(Broker):
         except (RedisError, OSError) as exc:
             raise QueueUnavailable(str(exc)) from exc
 
+    @_deadline
     async def renew(self, label: str, deliveries: list[Delivery]) -> set[str]:
         if not deliveries:
             return set()
@@ -310,6 +347,7 @@ class RedisBroker(Broker):
                                  [self.group, self.consumer, *(d.entry for d in deliveries)])
         return {d.job_id for d, flag in zip(deliveries, flags) if _s(flag) == "1"}
 
+    @_deadline
     async def finish(self, d: Delivery, outcome: Outcome) -> bool:
         res = await self._call("FINISH", [self.job_key(d.job_id), self.body_key(d.job_id), self.result_key(d.job_id),
                                           self.stream(d.label), self.dead_stream(d.label), self.stats_key],
@@ -321,6 +359,7 @@ class RedisBroker(Broker):
                                 d.job_id, d.attempt, self.channel, self.done_channel])
         return _s(res) == "ok"
 
+    @_deadline
     async def requeue(self, d: Delivery, error: dict[str, Any] | None, counted: bool) -> str:
         res = await self._call("REQUEUE", [self.job_key(d.job_id), self.body_key(d.job_id), self.stream(d.label),
                                            self.dead_stream(d.label), self.stats_key],
@@ -329,6 +368,7 @@ class RedisBroker(Broker):
                                 self.settings.dead_letter_maxlen, d.job_id, self.done_channel])
         return _s(res)
 
+    @_deadline
     async def stream_stats(self, labels: list[str]) -> list[dict[str, Any]]:
         try:
             pipe = self.r.pipeline(transaction=False)

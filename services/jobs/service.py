@@ -18,15 +18,15 @@ from services.jobs.metrics import STAGES, JobsMetrics
 from services.jobs.payload import Limits, SubmitRequest
 from services.jobs.records import TERMINAL
 from services.jobs.settings import JobsSettings
-from services.jobs.targets import Target, TargetTimeout, TargetUnreachable, unit_services
+from services.jobs.targets import ResultTooLarge, Target, TargetTimeout, TargetUnreachable, unit_services
 from services.runtime.errors import ApiError
 
 log = logging.getLogger("onecard.jobs")
 INLINE_BYTES = 64 * 1024  # smaller payloads are parsed on the loop: a thread hop would cost more
 
 
-def make_broker(settings: JobsSettings, node: str) -> Broker:
-    url = settings.queue.resolved_url()
+def make_broker(settings: JobsSettings, node: str, environ=os.environ) -> Broker:
+    url = settings.queue.resolved_url(environ)  # StartupConfigError when url_env names a missing variable
     if url is None:
         return MemoryBroker(settings.queue, node, settings.max_queued_jobs)
     from services.jobs.redis_broker import RedisBroker  # only units with a queue need redis-py
@@ -38,7 +38,7 @@ class JobsService:
         self.name, self.settings = name, settings
         self.node = settings.resolved_node_name()
         self.metrics = JobsMetrics()
-        self.broker = make_broker(settings, self.node)
+        self.broker = make_broker(settings, self.node, environ)
         self.broker.on_cancel(self._cancel_running)
         self.broker.on_done(self._job_done)
         self._waiters: dict[str, asyncio.Event] = {}
@@ -46,7 +46,7 @@ class JobsService:
         self.draining = False
         self._drain_deadline: float | None = None
         run_timeout = settings.run_timeout_s
-        self.targets = [Target(n, t.url, t, run_timeout, settings.dry_run_timeout_s)
+        self.targets = [Target(n, t.url, t, run_timeout, settings.dry_run_timeout_s, settings.max_result_bytes)
                         for n, t in unit_services(settings, name, environ).items()]
         self.consumers: dict[str, Consumer] = {}
         self.ready = False
@@ -80,7 +80,8 @@ class JobsService:
             return
         for t in self.targets:
             info = ModelInfo(t.label, t.label.split("/", 1)[0], t.routes,
-                             {k: t.limits[k] for k in ("max_body_bytes", "max_pixels") if k in t.limits})
+                             {k: t.limits[k] for k in ("max_body_bytes", "max_pixels") if k in t.limits},
+                             t.control_routes)
             await self._until_queue(lambda: self.broker.announce(info))
         if self.settings.consume:
             renew = max(0.1, self.settings.queue.visibility_timeout_s / 3)
@@ -98,7 +99,7 @@ class JobsService:
         while True:
             try:
                 return await t.discover()
-            except (TargetUnreachable, TargetTimeout, ValueError, TypeError, AttributeError) as exc:
+            except (TargetUnreachable, TargetTimeout, ResultTooLarge, ValueError, TypeError, AttributeError) as exc:
                 log.warning("jobs: cannot read %s's /info (%r); retrying", t.name, exc)
                 await asyncio.sleep(delay)
                 delay = min(5.0, delay * 2)
@@ -195,7 +196,7 @@ class JobsService:
         known = {label: ModelInfo(label, label.split("/", 1)[0]) for label in self.settings.accept_models}
         known.update(await self.broker.models())
         for label, t in self.local().items():
-            known[label] = ModelInfo(label, label.split("/", 1)[0], t.routes, t.limits)
+            known[label] = ModelInfo(label, label.split("/", 1)[0], t.routes, t.limits, t.control_routes)
         return known
 
     async def resolve(self, req: SubmitRequest) -> tuple[str, Limits, Target | None]:
@@ -216,13 +217,18 @@ class JobsService:
         if info is None or info.service != req.service:
             raise ApiError(422, "unknown_model", f"model: {label!r} is not a model of {req.service!r}; "
                            f"known: {of_service[:20]}")
-        routes = info.routes
+        routes, control = info.routes, set(info.control_routes)
         if routes is None:  # announced by no unit yet: any route one of the service's models serves
-            seen = [m.routes for m in known.values() if m.service == req.service and m.routes is not None]
-            routes = sorted({r for rs in seen for r in rs}) if seen else None
+            peers = [m for m in known.values() if m.service == req.service and m.routes is not None]
+            routes = sorted({r for m in peers for r in m.routes}) if peers else None
+            control = {r for m in peers for r in m.control_routes}
+        if req.route in control:
+            raise ApiError(422, "not_a_job_route", f"route: POST {req.route} of {req.service!r} takes no JSON body: "
+                           "it acts on the service (a control route), not on a job's input; call the service "
+                           f"directly. Job routes: {routes}")
         if routes is not None and req.route not in routes:
-            raise ApiError(422, "unknown_route", f"route: {req.route!r} is not a POST route of {req.service!r}; "
-                           f"routes: {routes}")
+            raise ApiError(422, "unknown_route", f"route: {req.route!r} is not a job route of {req.service!r} "
+                           f"({label}); routes: {routes}")
         max_pixels = min(self.settings.max_pixels, int(info.limits.get("max_pixels") or self.settings.max_pixels))
         max_body = info.limits.get("max_body_bytes")
         limits = Limits(self.settings.max_image_bytes, max_pixels, int(max_body) if max_body else None)

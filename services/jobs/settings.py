@@ -12,8 +12,18 @@ import os
 import re
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-LABEL_RE = re.compile(r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+/[A-Za-z0-9_.+-]+$")
-URL_RE = re.compile(r"^https?://[^\s/]+(:\d+)?/?$")
+from services.runtime.settings import StartupConfigError
+
+# always with fullmatch: with match, "$" also matches before a trailing newline
+LABEL_RE = re.compile(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+/[A-Za-z0-9_.+-]+")
+URL_RE = re.compile(r"https?://[^\s/]+(:\d+)?/?")
+# a route: plain segments only; no empty, "." or ".." segment, no query, no escapes
+ROUTE_RE = re.compile(r"(/[A-Za-z0-9_.-]+)+")
+
+
+def valid_route(route: str) -> bool:
+    return len(route) <= 256 and ROUTE_RE.fullmatch(route) is not None \
+        and not any(set(seg) == {"."} for seg in route.split("/")[1:])
 
 
 class _Strict(BaseModel):
@@ -32,12 +42,33 @@ class QueueSettings(_Strict):
     prefix: str = Field("onecard:jobs", pattern=r"^[A-Za-z0-9_:.-]{1,64}$", description="key prefix in Redis")
     group: str = Field("onecard", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="consumer group on every stream")
     dead_letter_maxlen: int = Field(10_000, ge=1, description="dead-letter entries kept per stream (approximate trim)")
+    op_timeout_s: float = Field(5.0, gt=0, le=300, allow_inf_nan=False,
+                                description="deadline of one Redis operation (a hung Redis: 503 queue_unavailable)")
+    max_connections: int = Field(64, ge=1, le=10_000, description="Redis connections the API and the state writes "
+                                 "share; a request waits for a free one within op_timeout_s")
+    max_finished_jobs: int = Field(100_000, ge=1, le=100_000_000, description="embedded queue: finished jobs "
+                                   "kept in memory; beyond, the oldest finished are forgotten before results_ttl_s")
+    max_results_bytes: int = Field(2**30, ge=1024, le=2**40, description="embedded queue: bytes of results kept "
+                                   "in memory; beyond, the oldest finished jobs are forgotten")
+    max_queued_bytes: int = Field(2**30, ge=1024, le=2**40, description="embedded queue: bytes of the bodies of "
+                                  "queued and running jobs; a submit beyond gets 503 queue_full")
 
-    def resolved_url(self) -> str | None:
+    def resolved_url(self, environ=os.environ) -> str | None:
+        """The Redis URL, or None for the embedded queue. A url_env naming a variable that is
+        unset or empty is a configuration error: a unit meant to share a queue must not
+        quietly run alone on its memory."""
         if self.url:
             return self.url
         if self.url_env:
-            return os.environ.get(self.url_env) or None
+            url = environ.get(self.url_env, "").strip()
+            if not url:
+                raise StartupConfigError(f"queue.url_env: the environment variable {self.url_env} is not set or "
+                                         "empty; set it to redis://host:port/db, or remove url_env to keep the "
+                                         "jobs in memory")
+            if not url.startswith(("redis://", "rediss://", "unix://")):
+                raise StartupConfigError(f"queue.url_env: {self.url_env} is not a redis://, rediss:// or unix:// "
+                                         "URL")
+            return url
         return None
 
     @field_validator("url")
@@ -55,18 +86,28 @@ class TargetSettings(_Strict):
                                       "(default: its max_batch_size + 1)")
     api_key_env: str | None = Field(None, description="environment variable holding the service's API key")
     dry_run: bool = Field(True, description="validate submits with the service's X-Onecard-Dry-Run when it has one")
+    routes: list[str] | None = Field(None, max_length=256, description="the POST routes jobs may use; required "
+                                     "for a service without an OpenAPI document (then no route is a job route)")
+
+    @field_validator("routes")
+    @classmethod
+    def _routes(cls, v: list[str] | None) -> list[str] | None:
+        for route in v or ():
+            if not valid_route(route):
+                raise ValueError(f"{route!r}: expected a path such as /api/v1/img2img")
+        return v
 
     @field_validator("url")
     @classmethod
     def _url(cls, v: str | None) -> str | None:
-        if v is not None and not URL_RE.match(v):
+        if v is not None and not URL_RE.fullmatch(v):
             raise ValueError("expected http://host:port")
         return v
 
     @field_validator("model_label")
     @classmethod
     def _label(cls, v: str | None) -> str | None:
-        if v is not None and not LABEL_RE.match(v):
+        if v is not None and not LABEL_RE.fullmatch(v):
             raise ValueError("expected 'service/backend/model' (letters, digits, '_', '-', '.')")
         return v
 
@@ -77,7 +118,7 @@ class JobsSettings(_Strict):
         default_factory=dict, description="local services by name: a URL or a table (url, model_label, ...)")
     consume: bool = Field(True, description="run jobs on this unit's services (false: an API-only unit)")
     node_name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,128}$",
-                                  description="this unit's name in job states (default: $ONECARD_NODE_NAME, "
+                                  description="this unit's name in job states (default: $ONECARD_NODE_NAME from [services.jobs.env], "
                                   "$HOSTNAME, the host name)")
     accept_models: list[str] = Field(default_factory=list, description="model labels accepted at submit before "
                                      "any unit has announced them (units scaled to zero)")
@@ -96,6 +137,10 @@ class JobsSettings(_Strict):
                                   "go back on the queue")
     max_wait_s: float = Field(10.0, ge=0, le=300, description="longest GET /v1/jobs/{id}?wait= (long poll)")
     retry_after_s: int = Field(1, ge=0, le=3600, description="Retry-After on 503 and on unfinished results")
+    max_json_depth: int = Field(33, ge=3, le=1000, description="a submit whose JSON nests deeper gets 400 "
+                                "json_too_deep (the envelope adds one level to a service's own body limit of 32)")
+    max_result_bytes: int = Field(128 * 2**20, ge=1024, le=2**31, description="a service's answer over this fails "
+                                  "the job (result_too_large); it is not stored")
     # the connection limits every onecard service applies (services.runtime.serve reads them)
 
     # ---- connections and protocol ------------------------------------------------------
@@ -118,7 +163,7 @@ class JobsSettings(_Strict):
     @classmethod
     def _labels(cls, v: list[str]) -> list[str]:
         for label in v:
-            if not LABEL_RE.match(label):
+            if not LABEL_RE.fullmatch(label):
                 raise ValueError(f"{label!r}: expected 'service/backend/model'")
         return v
 
@@ -126,15 +171,18 @@ class JobsSettings(_Strict):
     @classmethod
     def _target_urls(cls, v: dict[str, str | TargetSettings]) -> dict[str, str | TargetSettings]:
         for name, t in v.items():
-            if isinstance(t, str) and not URL_RE.match(t):
+            if isinstance(t, str) and not URL_RE.fullmatch(t):
                 raise ValueError(f"{name}: expected http://host:port, got {t!r}")
         return v
 
     @model_validator(mode="after")
     def _defaults_are_labels(self) -> "JobsSettings":
         for service, label in self.default_models.items():
-            if not LABEL_RE.match(label) or label.split("/", 1)[0] != service:
+            if not LABEL_RE.fullmatch(label) or label.split("/", 1)[0] != service:
                 raise ValueError(f"default_models.{service}: expected '{service}/backend/model', got {label!r}")
+        if self.max_result_bytes > self.queue.max_results_bytes:
+            raise ValueError(f"max_result_bytes ({self.max_result_bytes}) is over queue.max_results_bytes "
+                             f"({self.queue.max_results_bytes}): one result would not fit in the store")
         return self
 
     def target(self, name: str) -> TargetSettings:

@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from services.jobs.settings import LABEL_RE, JobsSettings, TargetSettings
+from services.jobs.settings import LABEL_RE, JobsSettings, TargetSettings, valid_route
 from services.runtime.errors import ApiError
 
 log = logging.getLogger("onecard.jobs")
@@ -60,15 +60,30 @@ def model_label(name: str, info: dict[str, Any], override: str | None = None) ->
     if override:
         return override
     reported = info.get("model_label")
-    if isinstance(reported, str) and LABEL_RE.match(reported):
+    if isinstance(reported, str) and LABEL_RE.fullmatch(reported):
         return reported
     model = info.get("model")
     base = os.path.basename(str(model).rstrip("/")) if model else ""
     return f"{_clean(name)}/{_clean(str(info.get('backend') or 'default'))}/{_clean(base or 'default')}"
 
 
-def post_routes(openapi: dict[str, Any]) -> list[str]:
-    return sorted(p for p, ops in (openapi.get("paths") or {}).items() if isinstance(ops, dict) and "post" in ops)
+def _takes_json(op: Any) -> bool:
+    body = op.get("requestBody") if isinstance(op, dict) else None
+    content = body.get("content") if isinstance(body, dict) else None
+    return isinstance(content, dict) and "application/json" in content
+
+
+def job_routes(openapi: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(job routes, control routes) of a service's OpenAPI document. A job is work on a JSON
+    body: a POST route that declares one. A POST route without (/sdapi/v1/interrupt, /skip,
+    /options, which reads its body itself) acts on the service, not on a job's input: queued,
+    it would interrupt or reconfigure what other clients run, and its dry run would act."""
+    jobs, control = [], []
+    paths = openapi.get("paths") if isinstance(openapi, dict) else None
+    for path, ops in (paths if isinstance(paths, dict) else {}).items():
+        if isinstance(path, str) and valid_route(path) and isinstance(ops, dict) and "post" in ops:
+            (jobs if _takes_json(ops["post"]) else control).append(path)
+    return sorted(jobs), sorted(control)
 
 
 class TargetUnreachable(Exception):
@@ -77,6 +92,10 @@ class TargetUnreachable(Exception):
 
 class TargetTimeout(Exception):
     """The local service did not answer in time."""
+
+
+class ResultTooLarge(Exception):
+    """The local service's answer is over max_result_bytes."""
 
 
 @dataclass
@@ -105,8 +124,10 @@ class Target:
     settings: TargetSettings
     run_timeout_s: float
     dry_run_timeout_s: float
+    max_result_bytes: int = 128 * 2**20
     label: str = ""
-    routes: list[str] | None = None          # None: the service publishes no OpenAPI document
+    routes: list[str] = field(default_factory=list)            # the job routes
+    control_routes: list[str] = field(default_factory=list)    # POST routes that are not jobs
     limits: dict[str, Any] = field(default_factory=dict)
     max_in_flight: int = 1
     dry_run_supported: bool | None = None     # None: not known yet
@@ -133,14 +154,24 @@ class Target:
 
     async def request(self, method: str, route: str, body: bytes | None = None, headers: dict | None = None,
                       timeout: float | None = None) -> Answer:
+        if not valid_route(route):  # checked at submit; checked again: a queue entry is not trusted
+            raise ValueError(f"not a route: {route[:80]!r}")
         if self.session is None:
             self.open()
         kw = {"timeout": aiohttp.ClientTimeout(total=timeout, sock_connect=5.0)} if timeout else {}
+        limit = self.max_result_bytes
         try:
             async with self.session.request(method, self.url + route, data=body, headers=headers or self.headers(),
                                             allow_redirects=False, **kw) as resp:
-                data = await resp.read()
-                return Answer(resp.status, {k.lower(): v for k, v in resp.headers.items()}, data)
+                if (resp.content_length or 0) > limit:
+                    raise ResultTooLarge(f"{self.name} answered {resp.content_length} bytes, over max_result_bytes "
+                                         f"({limit})")
+                buf = bytearray()
+                async for chunk in resp.content.iter_any():
+                    buf += chunk
+                    if len(buf) > limit:  # an answer without Content-Length: stop reading at the limit
+                        raise ResultTooLarge(f"{self.name} answered over max_result_bytes ({limit})")
+                return Answer(resp.status, {k.lower(): v for k, v in resp.headers.items()}, bytes(buf))
         except asyncio.TimeoutError as exc:
             raise TargetTimeout(f"{self.name}: no answer in time") from exc
         except aiohttp.ClientError as exc:
@@ -151,11 +182,26 @@ class Target:
         await self.wait_up()
         info = (await self.request("GET", "/info", timeout=10)).json()
         self.label = model_label(self.name, info, self.settings.model_label)
+        doc = None
         try:
             r = await self.request("GET", "/openapi.json", timeout=10)
-            self.routes = post_routes(r.json()) if r.status == 200 else None
-        except (TargetUnreachable, TargetTimeout, ValueError):
-            self.routes = None
+            doc = r.json() if r.status == 200 else None
+        except (TargetUnreachable, TargetTimeout, ResultTooLarge, ValueError):
+            pass
+        self.routes, self.control_routes = job_routes(doc) if isinstance(doc, dict) else ([], [])
+        declared = self.settings.routes
+        if declared is not None:
+            if isinstance(doc, dict):  # both: the declared ones the document has as job routes
+                missing = sorted(set(declared) - set(self.routes))
+                if missing:
+                    log.warning("jobs: %s's OpenAPI document has no JSON POST route %s; not job routes", self.name,
+                                missing)
+                self.routes = sorted(set(declared) & set(self.routes))
+            else:
+                self.routes = sorted(set(declared))
+        elif not isinstance(doc, dict):
+            log.warning("jobs: %s publishes no OpenAPI document and targets.%s.routes is not set: no job can "
+                        "run on it", self.name, self.name)
         self.limits = {k: v for k, v in (info.get("limits") or {}).items() if isinstance(v, (int, float))}
         batch = int(self.limits.get("max_batch_size") or 1)
         self.max_in_flight = self.settings.max_in_flight or max(2, batch + 1)
@@ -194,7 +240,7 @@ class Target:
         except TargetTimeout:
             self.dry_run_supported = False  # it ran the real thing: never ask again
             return None
-        except TargetUnreachable:
+        except (TargetUnreachable, ResultTooLarge):
             return None
         if 200 <= r.status < 300:
             try:

@@ -85,7 +85,11 @@ def main() -> int:
     try:
         settings = json.loads(env.get("ONECARD_SERVICE_CONFIG") or "{}")
         app = load_factory(spec)(settings)
-    except Exception:  # noqa: BLE001 - any failure to build the app is a setup error
+    except Exception as exc:  # noqa: BLE001 - any failure to build the app is a setup error
+        from services.runtime.settings import StartupConfigError
+        if isinstance(exc, StartupConfigError):  # the message says it all: a traceback would bury it
+            print(f"{name}: configuration error: {exc}", file=sys.stderr, flush=True)
+            return EXIT_START_FAILED
         print(f"{name}: cannot build the app {spec!r}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         return EXIT_START_FAILED
 

@@ -11,6 +11,12 @@ import os
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class StartupConfigError(Exception):
+    """A setting that cannot work in this environment (a variable it names is missing): the
+    service does not start, and services.runtime.serve prints this message alone (no
+    traceback) and exits 78 (EX_CONFIG), like any service that cannot start."""
+
+
 class RuntimeSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 

@@ -9,9 +9,12 @@ POST /api/v1/work, whose JSON body scripts the answer:
   code         the error code for that status
   retry_after  Retry-After header for that status
   times        only the first N calls with this tag get `status`; later ones succeed
+  pad          answer this many more bytes (a "pad" string in the JSON answer)
+  chunked      send the answer in pieces without a Content-Length
 
 Settings: model (the model name in /info), batch (max_batch_size), dry_run (honour
-X-Onecard-Dry-Run: validate, answer {"valid": true}, never work), unit (echoed back).
+X-Onecard-Dry-Run: validate, answer {"valid": true}, never work), unit (echoed back),
+openapi (false: no /openapi.json, as a service that publishes none).
 GET /calls shows the log: started, finished, disconnected, dry_runs (tags, in order).
 """
 
@@ -87,12 +90,23 @@ def create_app(settings: dict):
             return
         gone.cancel()
         log["finished"].append(tag)
-        await respond(send, 200, {"tag": tag, "unit": settings.get("unit"), "pid": os.getpid()})
+        answer = {"tag": tag, "unit": settings.get("unit"), "pid": os.getpid()}
+        if doc.get("pad"):
+            answer["pad"] = "x" * int(doc["pad"])
+        if not doc.get("chunked"):
+            return await respond(send, 200, answer)
+        data = json.dumps(answer).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        for i in range(0, len(data), 65536):
+            await send({"type": "http.response.body", "body": data[i:i + 65536], "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
 
     info = {"service": name, "backend": "scripted", "model": settings.get("model", "m1"),
             "limits": {"max_batch_size": int(settings.get("batch", 1)), "max_queue": 8,
                        "max_body_bytes": 1_000_000, "max_pixels": 1_000_000}}
-    openapi = {"openapi": "3.1.0", "paths": {"/api/v1/work": {"post": {}}, "/calls": {"get": {}}}}
+    json_body = {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}}
+    openapi = {"openapi": "3.1.0", "paths": {"/api/v1/work": {"post": {"requestBody": json_body}},
+                                             "/api/v1/reset": {"post": {}}, "/calls": {"get": {}}}}
 
     async def app(scope, receive, send):
         if scope["type"] == "lifespan":
@@ -106,7 +120,7 @@ def create_app(settings: dict):
             return await respond(send, 200, {"status": "ok"})
         if path == "/info":
             return await respond(send, 200, info)
-        if path == "/openapi.json":
+        if path == "/openapi.json" and settings.get("openapi", True):
             return await respond(send, 200, openapi)
         if path == "/calls":
             return await respond(send, 200, log)

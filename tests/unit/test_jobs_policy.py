@@ -10,11 +10,13 @@ import pytest
 from pydantic import ValidationError
 
 from services.jobs.outcome import Verdict, classify, retry_after_s
-from services.jobs.payload import Limits, build_body, parse_envelope
-from services.jobs.records import public_view, render_result
-from services.jobs.settings import JobsSettings
-from services.jobs.targets import model_label, post_routes, unit_services
+from services.jobs.payload import Limits, build_body
+from services.jobs.payload import parse_envelope as parse_with_depth
+from services.jobs.records import public_view, render_result, request_digest, valid_id
+from services.jobs.settings import JobsSettings, valid_route
+from services.jobs.targets import job_routes, model_label, unit_services
 from services.runtime.errors import ApiError
+from services.runtime.settings import StartupConfigError
 from tests.images import pixel_bomb_png, small_png
 
 
@@ -49,10 +51,40 @@ def test_model_label_reported_derived_or_overridden():
     assert model_label("detect", {"model_label": "detect/a/b"}, override="detect/mine/v2") == "detect/mine/v2"
 
 
-def test_post_routes_from_openapi():
-    doc = {"paths": {"/api/v1/img2img": {"post": {}}, "/sdapi/v1/progress": {"get": {}},
-                     "/sdapi/v1/img2img": {"post": {}}}}
-    assert post_routes(doc) == ["/api/v1/img2img", "/sdapi/v1/img2img"]
+def test_job_routes_are_post_routes_with_a_json_body():
+    body = {"requestBody": {"content": {"application/json": {}, "image/png": {}}}}
+    doc = {"paths": {"/api/v1/img2img": {"post": body}, "/sdapi/v1/progress": {"get": {}},
+                     "/sdapi/v1/img2img": {"post": {"requestBody": {"content": {"application/json": {}}}}},
+                     "/sdapi/v1/interrupt": {"post": {}}, "/sdapi/v1/options": {"get": {}, "post": {}},
+                     "/upload": {"post": {"requestBody": {"content": {"multipart/form-data": {}}}}},
+                     "/a/../b": {"post": body}, "/a/{id}": {"post": body}, "/x\n": {"post": body},
+                     "/weird": {"post": {"requestBody": "nope"}}, "/odd": "nope"}}
+    assert job_routes(doc) == (["/api/v1/img2img", "/sdapi/v1/img2img"],
+                               ["/sdapi/v1/interrupt", "/sdapi/v1/options", "/upload", "/weird"])
+    assert job_routes({"paths": []}) == ([], []) and job_routes({}) == ([], [])
+
+
+@pytest.mark.parametrize("route,ok", [
+    ("/api/v1/img2img", True), ("/a.b/c-d_e", True), ("/a/.../b", False), ("/a/./b", False), ("/a/../b", False),
+    ("/a/.", False), ("/a\n", False), ("/a\r\n", False), ("/a/", False), ("a", False), ("//a", False),
+    ("/a b", False), ("/\u00e9", False), ("/a%2e", False), ("", False), ("/" + "a" * 256, False)])
+def test_routes_are_plain_paths(route, ok):
+    assert valid_route(route) is ok
+
+
+def test_ids_are_exactly_32_hex_digits():
+    assert valid_id("0123456789abcdef" * 2)
+    for bad in ("0123456789abcdef" * 2 + "\n", "A" * 32, "\u0661" * 32, "0" * 31, "0" * 33, ""):
+        assert not valid_id(bad), bad
+
+
+def test_the_idempotency_digest_covers_service_route_model_and_body():
+    base = request_digest("img2img", "/r", "img2img/a/b", "0" * 64)
+    assert base == request_digest("img2img", "/r", "img2img/a/b", "0" * 64)
+    others = {request_digest("detect", "/r", "img2img/a/b", "0" * 64), request_digest("img2img", "/s", "img2img/a/b",
+              "0" * 64), request_digest("img2img", "/r", "img2img/a/c", "0" * 64),
+              request_digest("img2img", "/r", "img2img/a/b", "1" * 64)}
+    assert base not in others and len(others) == 4
 
 
 def test_targets_come_from_the_unit_then_from_the_settings():
@@ -79,6 +111,16 @@ def test_targets_come_from_the_unit_then_from_the_settings():
     ({"accept_models": ["x"]}, "service/backend/model"),
     ({"default_models": {"detect": "img2img/a/b"}}, "default_models.detect"),
     ({"max_queued_jobs": 0}, "max_queued_jobs"),
+    ({"queue": {"op_timeout_s": 0}}, "op_timeout_s"),
+    ({"queue": {"max_connections": 0}}, "max_connections"),
+    ({"queue": {"max_finished_jobs": 0}}, "max_finished_jobs"),
+    ({"max_json_depth": 2}, "max_json_depth"),
+    ({"max_result_bytes": 10}, "max_result_bytes"),
+    ({"max_result_bytes": 4096, "queue": {"max_results_bytes": 2048}}, "max_results_bytes"),
+    ({"targets": {"x": {"url": "http://x:1", "routes": ["/a/../b"]}}}, "/a/../b"),
+    ({"targets": {"x": {"url": "http://x:1", "routes": ["/a\n"]}}}, "expected a path"),
+    ({"accept_models": ["a/b/c\n"]}, "service/backend/model"),
+    ({"targets": {"detect": "http://x:1\n"}}, "http://host:port"),
 ])
 def test_bad_settings_are_refused(section, fragment):
     with pytest.raises(ValidationError) as err:
@@ -89,8 +131,18 @@ def test_bad_settings_are_refused(section, fragment):
 def test_default_settings_are_embedded_and_sane():
     s = JobsSettings.model_validate({})
     assert s.queue.resolved_url() is None and s.queue.max_attempts == 3 and s.consume
-    s = JobsSettings.model_validate({"queue": {"url_env": "JOBS_TEST_REDIS_URL_UNSET"}})
-    assert s.queue.resolved_url() is None
+    assert (s.queue.op_timeout_s, s.queue.max_connections, s.queue.max_finished_jobs) == (5.0, 64, 100_000)
+    assert (s.queue.max_results_bytes, s.queue.max_queued_bytes) == (2**30, 2**30)
+    assert (s.max_result_bytes, s.max_json_depth) == (128 * 2**20, 33)
+
+
+def test_a_queue_url_variable_must_name_a_url():
+    s = JobsSettings.model_validate({"queue": {"url_env": "JOBS_TEST_REDIS_URL"}})
+    for env in ({}, {"JOBS_TEST_REDIS_URL": ""}, {"JOBS_TEST_REDIS_URL": "  "}, {"JOBS_TEST_REDIS_URL": "http://x"}):
+        with pytest.raises(StartupConfigError) as err:
+            s.queue.resolved_url(env)
+        assert "queue.url_env" in str(err.value) and "JOBS_TEST_REDIS_URL" in str(err.value)
+    assert s.queue.resolved_url({"JOBS_TEST_REDIS_URL": "redis://r:6379/0"}) == "redis://r:6379/0"
 
 
 def _b64(data: bytes) -> str:
@@ -98,6 +150,10 @@ def _b64(data: bytes) -> str:
 
 
 LIMITS = Limits(max_image_bytes=10_000, max_pixels=1_000_000, max_body_bytes=None)
+
+
+def parse_envelope(raw: bytes):
+    return parse_with_depth(raw, 8)
 
 
 def _err(fn, *args) -> tuple[int, str]:
@@ -112,6 +168,15 @@ def test_envelope_checks():
     assert _err(parse_envelope, b'{"service": "Detect!", "route": "/a"}') == (422, "invalid_parameter")
     assert _err(parse_envelope, b'{"service": "detect", "route": "/a/../b"}') == (422, "invalid_parameter")
     assert _err(parse_envelope, b'{"service": "detect", "route": "/a?x=1"}') == (422, "invalid_parameter")
+    assert _err(parse_envelope, b'{"service": "detect", "route": "/a/./b"}') == (422, "invalid_parameter")
+    assert _err(parse_envelope, b'{"service": "detect", "route": "/a\\n"}') == (422, "invalid_parameter")
+    assert _err(parse_envelope, b'{"service": "detect\\n", "route": "/a"}') == (422, "invalid_parameter")
+    assert _err(parse_envelope, b'{"service": "d", "route": "/a", "body": {"x": NaN}}') == (422, "invalid_parameter")
+    assert _err(parse_envelope, b'{"service": "d", "route": "/a", "body": {"x": 1e999}}') == (422, "invalid_parameter")
+    deep = b'{"service": "d", "route": "/a", "body": {"x": ' + b"[" * 7 + b"]" * 7 + b"}}"
+    assert _err(parse_envelope, deep) == (400, "json_too_deep")
+    assert _err(parse_envelope, b"[" * 100_000) == (400, "json_too_deep")
+    assert parse_envelope(deep.replace(b"[" * 7, b"[" * 6).replace(b"]" * 7, b"]" * 6)).body == {"x": [[[[[[]]]]]]}
     req = parse_envelope(b'{"service": "detect", "route": "/api/v1/facedetect", "params": {"min_score": 0.2}}')
     assert req.service == "detect" and req.params == {"min_score": 0.2}
 
