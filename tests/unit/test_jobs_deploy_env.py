@@ -86,18 +86,23 @@ def test_an_onecard_variable_of_the_pod_never_reaches_a_service(tmp_path):
 
 @pytest.mark.parametrize("var, reaches", [("JOBS_QUEUE_URL", True), ("ONECARD_REDIS_URL", False)])
 def test_a_real_supervisor_hands_the_queue_url_to_a_real_jobs_service(var, reaches, tmp_path):
-    """The whole path: the pod's variable, `onecard run`, the jobs service's broker. Under the
-    ONECARD_ name the service silently ran its own in-memory queue."""
+    """The whole path: the pod's variable, `onecard run`, the jobs service's broker. Under an
+    ONECARD_ name the variable never arrives, and the service refuses to start (exit 78, naming
+    it) instead of running its own in-memory queue as it once did silently."""
     port = free_port()
     jobs = {"app": "services.jobs.app:create_app", "port": port, "threads": 1, "env": {"PYTHONPATH": str(ROOT)},
             "settings": {"consume": False, "queue": {"url_env": var}}}
     with RedisServer(tmp_path) as redis, \
             SupervisorRun(tmp_path, {"jobs": jobs}, env={var: redis.url}) as run:
+        if not reaches:
+            assert run.wait_exit(60) == 78
+            assert f"{var} is not set or empty" in run.output()
+            return
         run.wait_ready(60)
         environ = (Path("/proc") / str(run.child_pid("jobs")) / "environ").read_bytes().split(b"\0")
-        assert (f"{var}={redis.url}".encode() in environ) is reaches
+        assert f"{var}={redis.url}".encode() in environ
         stats = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=10).json()["jobs"]
-        assert stats["mode"] == ("redis" if reaches else "embedded")
+        assert stats["mode"] == "redis"
 
 
 def test_redis_args_and_probe_work_on_a_real_redis(tmp_path):
