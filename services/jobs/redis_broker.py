@@ -211,6 +211,11 @@ class RedisBroker(Broker):
                 if verdict == "ok":
                     return Submitted(job.id, QUEUED, True)
             raise QueueUnavailable("the Idempotency-Key kept racing")
+        except ResponseError as exc:
+            # noeviction at maxmemory: Redis is reachable but full, which the client should hear
+            if "maxmemory" in str(exc) or str(exc).startswith("OOM"):
+                raise QueueFull("Redis is at its maxmemory and refuses new jobs") from exc
+            raise QueueUnavailable(str(exc)) from exc
         except (RedisError, OSError) as exc:
             raise QueueUnavailable(str(exc)) from exc
 

@@ -353,6 +353,40 @@ def test_redis_that_hangs_gives_503_quickly_and_a_bounded_pool(tmp_path):
         srv.stop()
 
 
+def test_a_full_redis_refuses_submits_with_503_and_the_unit_goes_on(tmp_path):
+    """Redis at its maxmemory under noeviction (as the manifest runs it) refuses writes: a submit
+    is a 503 in the envelope, what is stored still reads, and once memory is back jobs run."""
+    import redis
+
+    srv = RedisServer(tmp_path)
+    u = Unit(tmp_path, "full", targets={"scripted": (TARGET_APP, {"model": "m1"})},
+             queue={"url": srv.url, "prefix": "full", "op_timeout_s": 2.0})
+    admin = None
+    try:
+        srv.start()
+        start_units(u)
+        done = u.submit("scripted", WORK, params={"tag": "before"})["id"]
+        assert u.wait(done)["state"] == "succeeded"
+        admin = redis.Redis(port=srv.port)
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", 1)
+        for _ in range(3):
+            r = u.api.post("/v1/jobs", json={"service": "scripted", "route": WORK, "params": {"tag": "full"}},
+                           timeout=30)
+            assert r.status_code == 503, r.text
+            err = error_of(r)
+            assert err["code"] == "queue_full" and "maxmemory" in err["message"] and r.headers["retry-after"], r.text
+        assert u.api.get(f"/v1/jobs/{done}").json()["state"] == "succeeded"
+        assert u.jobs.alive
+        admin.config_set("maxmemory", 0)
+        assert u.wait(u.submit("scripted", WORK, params={"tag": "after"})["id"])["state"] == "succeeded"
+    finally:
+        if admin is not None:
+            admin.close()
+        u.stop()
+        srv.stop()
+
+
 # ---- start-up --------------------------------------------------------------------------
 @pytest.mark.parametrize("value", [None, ""])
 def test_a_queue_url_variable_that_is_missing_stops_the_start(tmp_path, value):
