@@ -118,7 +118,9 @@ def inline_schema(model: type[BaseModel], *, mode: str = "validation") -> dict[s
         if isinstance(node, dict):
             ref = node.get("$ref")
             if isinstance(ref, str) and ref.startswith("#/$defs/"):
-                return resolve(defs[ref.rsplit("/", 1)[1]])
+                # what sits beside the reference (the field's description, default) is kept
+                rest = {k: resolve(v) for k, v in node.items() if k != "$ref"}
+                return {**resolve(defs[ref.rsplit("/", 1)[1]]), **rest}
             return {k: resolve(v) for k, v in node.items()}
         if isinstance(node, list):
             return [resolve(v) for v in node]
