@@ -135,4 +135,4 @@ def query_parameters(model: type[BaseModel]) -> list[dict[str, Any]]:
     required = set(schema.get("required", ()))
     return [{"name": name, "in": "query", "required": name in required, "schema": prop,
              **({"description": prop["description"]} if "description" in prop else {})}
-            for name, prop in schema.get("properties", {}).items()]
+            for name, prop in schema["properties"].items()]  # pydantic always writes it
