@@ -5,8 +5,13 @@ written against surviving mutants (docs/mutation-testing.md)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 from supervisor.config import (UNIX_PATH_MAX, drain_of, load_config, probe_socket_of, run_dir_of,
                                termination_grace_min)
+from tests.harness import ROOT
 from tests.unit.test_config import BASE, error_of, write
 
 COMMAND_ONLY = """
@@ -175,3 +180,19 @@ def test_a_service_package_without_a_settings_model_is_not_checked(tmp_path, mon
 def test_a_missing_required_key_says_so(tmp_path):
     p = write(tmp_path, '[services.w]\ncommand = ["x"]\n')
     assert error_of(p, environ={}) == f"{p}: services.w.port: required key is missing"
+
+
+def test_the_file_is_read_as_utf_8_whatever_the_locale(tmp_path):
+    """TOML is UTF-8; a supervisor started under a non-UTF-8 locale (plain C, coercion and
+    UTF-8 mode off) still reads it."""
+    p = write(tmp_path, BASE + '[services.detect.env]\nGREETING = "café"\n')
+    env = {"PATH": os.environ.get("PATH", ""), "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0",
+           "PYTHONPATH": str(ROOT), **{k: v for k, v in os.environ.items() if k.startswith("MUTANT")}}
+    code = ("import locale, sys; from supervisor.config import load_config\n"
+            "assert locale.getpreferredencoding(False).lower() in ('ansi_x3.4-1968', 'ascii'), "
+            "locale.getpreferredencoding(False)\n"
+            f"print(load_config({str(p)!r}, environ={{}}).services['detect'].env['GREETING'] == 'caf\\xe9')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          encoding="utf-8", timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"
