@@ -272,7 +272,7 @@ def probe_socket_of(config: Config, name: str) -> str:
 def drain_of(config: Config, name: str | None = None) -> float:
     """A service's own graceful drain timeout: strictly below grace_s, so that a drain that
     runs out ends with the service exiting on its own, not with our SIGKILL."""
-    svc = config.services.get(name) if name else None
+    svc = config.services.get(name)  # None (no name) is no service's name
     if svc is not None and svc.drain_s is not None:
         return svc.drain_s
     s = config.supervisor

@@ -194,8 +194,7 @@ class Scheduler:
         self.metrics.dropped.labels(reason).inc()
         if job.started_at is None:
             self._pending = collections.deque(e for e in self._pending if e.job is not job)
-        if not job.future.done():
-            job.future.cancel()
+        job.future.cancel()  # a no-op when it already has its result or error
 
     def _stage_times(self, job: Job, timing: Timing) -> None:
         if job.started_at is not None:

@@ -196,3 +196,18 @@ def test_the_file_is_read_as_utf_8_whatever_the_locale(tmp_path):
                           encoding="utf-8", timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True"
+
+
+def test_a_nested_service_setting_is_named_by_its_full_path(tmp_path):
+    text = ('[services.jobs]\napp = "services.jobs.app:create_app"\nport = 7863\n'
+            '[services.jobs.settings.queue]\nbogus = 1\n')
+    p = write(tmp_path, text)
+    assert error_of(p, environ={}) == f"{p}: services.jobs.settings.queue.bogus: unknown key"
+
+
+def test_several_rules_across_keys_are_one_line_each(tmp_path):
+    p = write(tmp_path, BASE.replace("port = 7861", "port = 7862"))
+    assert error_of(p, sets=["supervisor.drain_s=5"], environ={}) == (
+        "--set supervisor.drain_s: supervisor.drain_s: 5 s must be below supervisor.grace_s (5 s): "
+        "a service's drain ends before the supervisor's SIGKILL\n"
+        f"{p}: services.img2img.port: port 7862 is already used by services.detect.port")

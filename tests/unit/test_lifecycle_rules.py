@@ -82,3 +82,11 @@ def test_a_requested_stop_is_incomplete_when_a_service_did_not_stop_cleanly():
     assert u.exit_code([0, 143, None]) == 0 and u.reason == "SIGTERM received"  # None: never started
     assert u.exit_code([137, 0, 1, 137]) == EXIT_DRAIN_INCOMPLETE
     assert u.reason == "SIGTERM received; drain incomplete (service exit codes [1, 137])"
+
+
+def test_a_cause_given_without_a_reason_has_none():
+    u = Unit()
+    u.fire(UnitEvent.INTERRUPT)
+    assert (u.reason, u.requested) == ("", True)
+    u.fire(UnitEvent.INTERRUPT)
+    assert u.reason == "; second SIGINT: killed at once"
