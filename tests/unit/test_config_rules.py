@@ -186,6 +186,7 @@ def test_the_file_is_read_as_utf_8_whatever_the_locale(tmp_path):
     """TOML is UTF-8; a supervisor started under a non-UTF-8 locale (plain C, coercion and
     UTF-8 mode off) still reads it."""
     p = write(tmp_path, BASE + '[services.detect.env]\nGREETING = "café"\n')
+    assert load_config(p, environ={}).services["detect"].env["GREETING"] == "café"
     env = {"PATH": os.environ.get("PATH", ""), "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0",
            "PYTHONPATH": str(ROOT), **{k: v for k, v in os.environ.items() if k.startswith("MUTANT")}}
     code = ("import locale, sys; from supervisor.config import load_config\n"
