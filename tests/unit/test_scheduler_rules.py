@@ -124,6 +124,8 @@ def test_problem_reports_a_stuck_call_and_a_stopped_loop():
     async def main():
         sched, backend = scheduler(inference_timeout_s=0.05)
         assert sched.problem() is None
+        # a task dump (asyncio.all_tasks, a debugger) names the loop, as the thread dump names the GPU thread
+        assert "onecard-batch-loop" in {t.get_name() for t in asyncio.all_tasks()}
         blocker = await hold(sched, backend)
         await asyncio.sleep(0.1)
         stuck = sched.problem()
