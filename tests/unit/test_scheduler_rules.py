@@ -143,7 +143,7 @@ def test_problem_reports_a_stuck_call_and_a_stopped_loop():
 def test_a_scheduler_never_started_stops_cleanly_and_reports_no_problem():
     async def main():
         sched = Scheduler(Recorder(), RuntimeSettings(), ServiceMetrics("t"))
-        assert sched.problem() is None
+        assert sched.problem() is None and sched.in_flight == 0  # /status: nothing on the model yet
         await sched.stop()
     run(main())
 
@@ -199,6 +199,25 @@ def test_a_lone_item_runs_when_its_fill_window_ends():
 
     took, out = run(main())
     assert 0.09 < took < 0.6 and out == ["out:b"]
+
+
+def test_an_item_that_waited_longer_than_the_window_behind_a_busy_model_runs_at_once():
+    """The fill window counts from the head's arrival, not from when the model frees up."""
+    async def main():
+        sched, backend = scheduler(max_batch_size=3, max_wait_ms=200)
+        blocker = await hold(sched, backend)
+        task = asyncio.ensure_future(sched.submit([Item("a")], "k", Timing(), None))
+        await asyncio.sleep(0.3)  # longer than the window
+        t0 = time.perf_counter()
+        backend.gate.set()
+        await asyncio.gather(blocker, task)
+        took = time.perf_counter() - t0
+        out = await sched.submit([Item("b")], "k", Timing(), None)  # the loop still serves
+        await sched.stop()
+        return took, backend.batches, out
+
+    took, batches, out = run(main())
+    assert batches[:2] == [["blocker"], ["a"]] and took < 0.15 and out == ["out:b"]
 
 
 def test_without_batching_or_max_wait_an_idle_model_starts_at_once():
