@@ -170,7 +170,7 @@ def test_a_backend_that_cannot_batch_gets_one_item_per_call():
 @pytest.mark.parametrize("max_batch", [2, 3])
 def test_an_idle_model_waits_up_to_max_wait_ms_for_a_batch_to_fill(max_batch):
     async def main():
-        sched, backend = scheduler(max_batch_size=max_batch, max_wait_ms=300)
+        sched, backend = scheduler(max_batch_size=max_batch, max_wait_ms=500)
         t0 = time.perf_counter()
         first = asyncio.ensure_future(sched.submit([Item("a")], "k", Timing(), None))
         await asyncio.sleep(0.05)  # the model is idle, yet "a" waits for company
@@ -182,9 +182,9 @@ def test_an_idle_model_waits_up_to_max_wait_ms_for_a_batch_to_fill(max_batch):
 
     batches, took = run(main())
     if max_batch == 2:  # full at once: no more waiting
-        assert batches == [["a", "b"]] and took < 0.25
+        assert batches == [["a", "b"]] and took < 0.4
     else:               # not full: runs when the window, counted from "a"'s arrival, ends
-        assert batches == [["a", "b"]] and 0.28 < took < 1.5
+        assert batches == [["a", "b"]] and 0.48 < took < 2
 
 
 def test_a_lone_item_runs_when_its_fill_window_ends():
@@ -204,10 +204,10 @@ def test_a_lone_item_runs_when_its_fill_window_ends():
 def test_an_item_that_waited_longer_than_the_window_behind_a_busy_model_runs_at_once():
     """The fill window counts from the head's arrival, not from when the model frees up."""
     async def main():
-        sched, backend = scheduler(max_batch_size=3, max_wait_ms=200)
+        sched, backend = scheduler(max_batch_size=3, max_wait_ms=400)
         blocker = await hold(sched, backend)
         task = asyncio.ensure_future(sched.submit([Item("a")], "k", Timing(), None))
-        await asyncio.sleep(0.3)  # longer than the window
+        await asyncio.sleep(0.45)  # longer than the window
         t0 = time.perf_counter()
         backend.gate.set()
         await asyncio.gather(blocker, task)
@@ -217,7 +217,7 @@ def test_an_item_that_waited_longer_than_the_window_behind_a_busy_model_runs_at_
         return took, backend.batches, out
 
     took, batches, out = run(main())
-    assert batches[:2] == [["blocker"], ["a"]] and took < 0.15 and out == ["out:b"]
+    assert batches[:2] == [["blocker"], ["a"]] and took < 0.3 and out == ["out:b"]
 
 
 def test_without_batching_or_max_wait_an_idle_model_starts_at_once():
