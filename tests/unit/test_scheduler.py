@@ -6,7 +6,6 @@ is queued when the model frees up."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -354,36 +353,6 @@ def test_a_failing_batch_of_plain_payloads_is_retried_one_by_one():
 
     calls, results = run(main())
     assert calls == [["p0"], ["p1", "p2"], ["p1"], ["p2"]] and results == [["out:p0"], ["out:p1"], ["out:p2"]]
-
-
-def test_a_backend_returning_the_wrong_number_of_results_fails_the_request_with_the_reason():
-    async def main():
-        sched, backend = scheduler()
-        backend.infer_batch = lambda items: []
-        with pytest.raises(RuntimeError) as err:
-            await sched.submit([Item("x")], None, Timing(), None)
-        await sched.stop()
-        return str(err.value)
-
-    assert run(main()) == "backend returned 0 results for 1 items"
-
-
-def test_an_out_of_memory_batch_logs_the_error_and_frees_memory_once_before_the_retries(caplog):
-    async def main():
-        sched, backend = scheduler()
-        backend.raise_on_batch = "o1"
-        blocker = await hold(sched, backend)
-        tasks = [asyncio.ensure_future(sched.submit([Item(n)], None, Timing(), None)) for n in ("o1", "o2")]
-        await until(lambda: sched.pending_items == 2)
-        backend.gate.set()
-        await asyncio.gather(blocker, *tasks)
-        await sched.stop()
-        return backend.freed
-
-    with caplog.at_level(logging.WARNING, logger="onecard.service"):
-        freed = run(main())
-    assert freed == 1
-    assert [r.getMessage() for r in caplog.records] == ["GPU out of memory: CUDA out of memory. Tried to allocate 1 GiB"]
 
 
 def test_admission_states_and_counts_move_together():
