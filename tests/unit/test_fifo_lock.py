@@ -33,6 +33,12 @@ class WakeThenReleaseLock:
             try:
                 async with asyncio.timeout(timeout):
                     await fut
+            except BaseException:
+                # Woken, then cancelled before running: pass the wake-up on, as asyncio.Lock
+                # does; otherwise the others wait for a release that never comes (a hang).
+                if fut.done() and not fut.cancelled() and not self._locked:
+                    self._wake_next()
+                raise
             finally:
                 if fut in self._waiters:
                     self._waiters.remove(fut)
@@ -40,6 +46,9 @@ class WakeThenReleaseLock:
 
     def release(self):
         self._locked = False
+        self._wake_next()
+
+    def _wake_next(self):
         while self._waiters:
             w = self._waiters.popleft()
             if not w.done():
