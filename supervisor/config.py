@@ -199,7 +199,7 @@ def _describe(err: dict[str, Any]) -> str:
     if err["type"] == "missing":
         return "required key is missing"
     value = err.get("input")
-    if any(is_secret_name(str(p)) for p in err.get("loc", ())):
+    if any(is_secret_name(str(p)) for p in err["loc"]):
         return f"{msg}, got {REDACTED}"
     if not isinstance(value, (dict, list)):
         msg = f"{msg}, got {value!r}"
@@ -255,7 +255,7 @@ def load_config(
     total = gpu_total_bytes(config.gpu.visible_devices) if callable(gpu_total_bytes) else gpu_total_bytes
     problems = semantic_problems(config, total)
     if problems:
-        raise ConfigError("\n".join(f"{origins.get(p.split(':', 1)[0], label)}: {p}" for p in problems))
+        raise ConfigError("\n".join(f"{origins.get(p.partition(':')[0], label)}: {p}" for p in problems))
     return config
 
 
@@ -272,7 +272,7 @@ def probe_socket_of(config: Config, name: str) -> str:
 def drain_of(config: Config, name: str | None = None) -> float:
     """A service's own graceful drain timeout: strictly below grace_s, so that a drain that
     runs out ends with the service exiting on its own, not with our SIGKILL."""
-    svc = config.services.get(name) if name else None
+    svc = config.services.get(name)  # None (no name) is no service's name
     if svc is not None and svc.drain_s is not None:
         return svc.drain_s
     s = config.supervisor
@@ -353,7 +353,7 @@ def _service_settings_problems(name: str, svc: ServiceSettings) -> list[str]:
     pydantic only, no ML import) has its section checked here, before anything starts."""
     if svc.app is None:
         return []
-    package = svc.app.split(":", 1)[0].rpartition(".")[0]
+    package = svc.app.rpartition(".")[0]  # "pkg.module:factory" -> "pkg" (APP_RE: no dot after ':')
     if not package:
         return []
     try:

@@ -37,7 +37,7 @@ def walk(data: bytes, max_scans: int, max_markers: int) -> JpegShape:
     """Count scans and segments; raise JpegLimitError as soon as one is over its limit.
     A malformed structure just ends the walk: the decoder reports corruption itself."""
     n = len(data)
-    if n < 4 or data[0] != 0xFF or data[1] != SOI:
+    if data[:2] != bytes((0xFF, SOI)):  # not a JPEG: nothing to walk
         return JpegShape(0, 0, False)
     pos, scans, markers, progressive = 2, 0, 0, False
     while pos + 4 <= n:

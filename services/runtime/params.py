@@ -118,7 +118,9 @@ def inline_schema(model: type[BaseModel], *, mode: str = "validation") -> dict[s
         if isinstance(node, dict):
             ref = node.get("$ref")
             if isinstance(ref, str) and ref.startswith("#/$defs/"):
-                return resolve(defs[ref.rsplit("/", 1)[1]])
+                # what sits beside the reference (the field's description, default) is kept
+                rest = {k: resolve(v) for k, v in node.items() if k != "$ref"}
+                return {**resolve(defs[ref.rsplit("/", 1)[1]]), **rest}
             return {k: resolve(v) for k, v in node.items()}
         if isinstance(node, list):
             return [resolve(v) for v in node]
@@ -133,4 +135,4 @@ def query_parameters(model: type[BaseModel]) -> list[dict[str, Any]]:
     required = set(schema.get("required", ()))
     return [{"name": name, "in": "query", "required": name in required, "schema": prop,
              **({"description": prop["description"]} if "description" in prop else {})}
-            for name, prop in schema.get("properties", {}).items()]
+            for name, prop in schema["properties"].items()]  # pydantic always writes it

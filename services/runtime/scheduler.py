@@ -85,7 +85,6 @@ class Job:
     remaining: int = 0
     started_at: float | None = None
     infer_s: float = 0.0
-    batch_sizes: list[int] = field(default_factory=list)
     abandoned: bool = False          # nobody waits for the result any more
 
     def cancel_items(self) -> None:
@@ -195,8 +194,7 @@ class Scheduler:
         self.metrics.dropped.labels(reason).inc()
         if job.started_at is None:
             self._pending = collections.deque(e for e in self._pending if e.job is not job)
-        if not job.future.done():
-            job.future.cancel()
+        job.future.cancel()  # a no-op when it already has its result or error
 
     def _stage_times(self, job: Job, timing: Timing) -> None:
         if job.started_at is not None:
@@ -278,7 +276,6 @@ class Scheduler:
             job = entry.job
             job.results[entry.index] = result
             job.infer_s += dt
-            job.batch_sizes.append(len(batch))
             job.remaining -= 1
             if job.remaining == 0 and not job.future.done():
                 failure = next((r for r in job.results if isinstance(r, BaseException)), None)
@@ -289,7 +286,8 @@ class Scheduler:
 
     async def _infer(self, payloads: list[Any]) -> list[Any]:
         """One model call; a failing batch is retried item by item so a bad item fails alone."""
-        self.in_flight += len(payloads)
+        # One batch is on the model at a time (the batch loop awaits each), so this is a set.
+        self.in_flight = len(payloads)
         self.metrics.in_flight.set(self.in_flight)
         self.metrics.batch_size.observe(len(payloads))
         try:
@@ -307,8 +305,8 @@ class Scheduler:
             return [self._out_of_memory(r) if isinstance(r, BaseException) and is_out_of_memory(r) else r
                     for r in results]
         finally:
-            self.in_flight -= len(payloads)
-            self.metrics.in_flight.set(self.in_flight)
+            self.in_flight = 0
+            self.metrics.in_flight.set(0)
 
     async def _infer_alone(self, payload: Any) -> Any:
         event = getattr(payload, "cancel", None)

@@ -33,6 +33,12 @@ class WakeThenReleaseLock:
             try:
                 async with asyncio.timeout(timeout):
                     await fut
+            except BaseException:
+                # Woken, then cancelled before running: pass the wake-up on, as asyncio.Lock
+                # does; otherwise the others wait for a release that never comes (a hang).
+                if fut.done() and not fut.cancelled() and not self._locked:
+                    self._wake_next()
+                raise
             finally:
                 if fut in self._waiters:
                     self._waiters.remove(fut)
@@ -40,6 +46,9 @@ class WakeThenReleaseLock:
 
     def release(self):
         self._locked = False
+        self._wake_next()
+
+    def _wake_next(self):
         while self._waiters:
             w = self._waiters.popleft()
             if not w.done():
@@ -237,3 +246,34 @@ def test_hypothesis_interleavings_fifo_and_exclusive(plan):
     assert overtakes(order) == 0
     assert max_holders <= 1
     assert not lock.locked() and lock.waiting == 0
+
+
+def test_locked_is_a_bool_and_release_of_a_free_lock_is_an_error():
+    async def main():
+        lock = FifoLock()
+        assert lock.locked() is False
+        await lock.acquire()
+        assert lock.locked() is True
+        lock.release()
+        assert lock.locked() is False
+        with pytest.raises(RuntimeError) as err:
+            lock.release()
+        assert str(err.value) == "FifoLock.release() on an unlocked lock"
+    asyncio.run(main())
+
+
+def test_no_time_left_is_refused_at_once_and_a_short_timeout_still_waits():
+    async def main():
+        lock = FifoLock()
+        await lock.acquire()
+        for timeout in (0, -1):
+            with pytest.raises(TimeoutError) as err:
+                await lock.acquire(timeout=timeout)
+            assert str(err.value) == "FIFO lock not acquired: no time left" and lock.waiting == 0
+        asyncio.get_running_loop().call_later(0.02, lock.release)
+        await lock.acquire(timeout=0.5)  # below one second, yet plenty: it gets the lock
+        assert lock.locked() and lock.acquisitions == 2
+        lock.release()
+        await lock.acquire(timeout=0)  # free: no waiting needed, so no time is needed either
+        lock.release()
+    asyncio.run(main())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -261,7 +262,8 @@ def test_admission_counts_a_request_on_arrival_and_bounds_the_waiting():
     t1, t2 = a.admit(), a.admit()
     with pytest.raises(ApiError) as err:
         a.admit()
-    assert err.value.status == 503 and err.value.headers["Retry-After"] == "3"
+    assert (err.value.status, err.value.code) == (503, "overloaded") and err.value.headers == {"Retry-After": "3"}
+    assert err.value.message == "2 requests are already waiting (max_queue 2)"
     t1.started()
     assert (a.waiting, a.running) == (1, 1)
     a.admit()  # a slot freed as t1 left the queue for the model
@@ -306,3 +308,75 @@ def test_an_expired_item_behind_the_head_does_not_join_the_batch():
 
     batches = run(main())
     assert batches[1] == ["fresh"] and all("stale" not in b for b in batches)
+
+
+def test_a_request_split_across_batches_counts_the_model_time_of_each():
+    async def main():
+        sched, backend = scheduler(max_batch_size=1)
+
+        def slow(items):
+            time.sleep(0.1)
+            return [f"out:{i}" for i in items]
+        backend.infer_batch = slow
+        timing = Timing()
+        out = await sched.submit(["p0", "p1", "p2"], None, timing, None)  # plain payloads: no cancel event
+        await sched.stop()
+        return out, timing.stages
+
+    out, stages = run(main())
+    assert out == ["out:p0", "out:p1", "out:p2"] and 0.28 < stages["infer"] < 2
+
+
+def test_a_failing_batch_of_plain_payloads_is_retried_one_by_one():
+    async def main():
+        sched, backend = scheduler()
+        calls, gate, entered = [], threading.Event(), threading.Event()
+
+        def infer(items):
+            calls.append(list(items))
+            entered.set()
+            gate.wait(5)
+            if len(items) > 1:
+                raise RuntimeError("a bad batch")
+            return [f"out:{i}" for i in items]
+        backend.infer_batch = infer
+        try:
+            blocker = asyncio.ensure_future(sched.submit(["p0"], None, Timing(), None))
+            await until(entered.is_set)
+            tasks = [asyncio.ensure_future(sched.submit([p], None, Timing(), None)) for p in ("p1", "p2")]
+            await until(lambda: sched.pending_items == 2)
+        finally:
+            gate.set()
+        results = await asyncio.gather(blocker, *tasks)
+        await sched.stop()
+        return calls, results
+
+    calls, results = run(main())
+    assert calls == [["p0"], ["p1", "p2"], ["p1"], ["p2"]] and results == [["out:p0"], ["out:p1"], ["out:p2"]]
+
+
+def test_admission_states_and_counts_move_together():
+    a = Admission(max_queue=5, retry_after_s=1)
+    tickets = [a.admit() for _ in range(3)]
+    assert [t.state for t in tickets] == ["waiting"] * 3
+    tickets[0].started()
+    tickets[1].started()
+    tickets[0].started()  # twice: counted once
+    assert (a.waiting, a.running) == (1, 2) and tickets[0].state == "running"
+    tickets[2].release()
+    assert (a.waiting, a.running, tickets[2].state) == (0, 2, "done")
+    tickets[2].started()  # a released ticket never starts
+    assert (a.waiting, a.running) == (0, 2)
+    tickets[0].release()
+    assert (a.waiting, a.running, tickets[0].state) == (0, 1, "done")
+
+
+def test_admission_with_max_queue_one_queues_one_behind_a_running_request():
+    a = Admission(max_queue=1, retry_after_s=2)
+    a.admit().started()
+    a.admit()  # one may wait while the model is busy
+    with pytest.raises(ApiError) as err:
+        a.admit()
+    assert (err.value.status, err.value.code) == (503, "overloaded")
+    assert err.value.message == "1 requests are already waiting (max_queue 1)"
+    assert err.value.headers == {"Retry-After": "2"} and a.refused == 1
