@@ -100,7 +100,7 @@ class JobsService:
             try:
                 return await t.discover()
             except (TargetUnreachable, TargetTimeout, ResultTooLarge, ValueError, TypeError, AttributeError) as exc:
-                log.warning("jobs: cannot read %s's /info (%r); retrying", t.name, exc)
+                log.warning("jobs: cannot learn %s's model and routes yet (%r); retrying", t.name, exc)
                 await asyncio.sleep(delay)
                 delay = min(5.0, delay * 2)
 

@@ -182,12 +182,18 @@ class Target:
         await self.wait_up()
         info = (await self.request("GET", "/info", timeout=10)).json()
         self.label = model_label(self.name, info, self.settings.model_label)
-        doc = None
-        try:
-            r = await self.request("GET", "/openapi.json", timeout=10)
-            doc = r.json() if r.status == 200 else None
-        except (TargetUnreachable, TargetTimeout, ResultTooLarge, ValueError):
-            pass
+        # Only a 404 says "no document". A timeout or a 5xx is a moment, not a property: taken as
+        # "no routes", it would fail every job of this model on every unit until a restart.
+        r = await self.request("GET", "/openapi.json", timeout=10)
+        if r.status == 404:
+            doc = None
+        elif r.status != 200:
+            raise TargetUnreachable(f"{self.name}: /openapi.json answered {r.status}")
+        else:
+            try:
+                doc = r.json()
+            except ValueError:
+                doc = None  # a document that is not JSON declares nothing
         self.routes, self.control_routes = job_routes(doc) if isinstance(doc, dict) else ([], [])
         declared = self.settings.routes
         if declared is not None:

@@ -14,7 +14,8 @@ POST /api/v1/work, whose JSON body scripts the answer:
 
 Settings: model (the model name in /info), batch (max_batch_size), dry_run (honour
 X-Onecard-Dry-Run: validate, answer {"valid": true}, never work), unit (echoed back),
-openapi (false: no /openapi.json, as a service that publishes none).
+openapi (false: no /openapi.json, as a service that publishes none), openapi_failures (the
+first N fetches of /openapi.json answer 503, as a service still starting or overloaded).
 GET /calls shows the log: started, finished, disconnected, dry_runs (tags, in order).
 """
 
@@ -121,6 +122,9 @@ def create_app(settings: dict):
         if path == "/info":
             return await respond(send, 200, info)
         if path == "/openapi.json" and settings.get("openapi", True):
+            seen["/openapi.json"] += 1
+            if seen["/openapi.json"] <= int(settings.get("openapi_failures", 0)):
+                return await respond(send, *error(503, "overloaded", "try again"))
             return await respond(send, 200, openapi)
         if path == "/calls":
             return await respond(send, 200, log)

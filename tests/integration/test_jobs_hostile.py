@@ -37,11 +37,13 @@ def error_of(r: httpx.Response) -> dict:
 @pytest.fixture(scope="module")
 def unit(tmp_path_factory):
     """scripted publishes an OpenAPI document; bare publishes none and its routes are
-    declared in the config; blank publishes none and declares none; img2img is the real one."""
+    declared in the config; blank publishes none and declares none; flaky answers 503 to its
+    first fetches of the document; img2img is the real one."""
     u = Unit(tmp_path_factory.mktemp("jobs-hostile"), "hostile",
              targets={"scripted": (TARGET_APP, {"model": "m1", "dry_run": True}),
                       "bare": (TARGET_APP, {"model": "m2", "openapi": False}),
                       "blank": (TARGET_APP, {"model": "m3", "openapi": False}),
+                      "flaky": (TARGET_APP, {"model": "m4", "openapi_failures": 3}),
                       "img2img": (IMG2IMG_APP, {"backend": "style", "max_side": 64, "warmup_runs": 1})},
              target_settings={"bare": {"routes": [WORK]}},
              max_json_depth=16, max_result_bytes=MAX_RESULT, max_body_bytes=100_000,
@@ -204,6 +206,14 @@ def test_a_service_without_openapi_takes_only_its_declared_routes(unit):
     assert r.status_code == 422 and error_of(r)["code"] == "unknown_route", r.text
     assert "blank" in error_of(r)["message"] or "routes: []" in error_of(r)["message"]
     assert unit.calls("blank")["started"] == []
+
+
+def test_a_document_that_fails_for_a_moment_is_fetched_again_not_taken_as_no_routes(unit):
+    """503s on /openapi.json while the service is busy are retried; taken as 'no document',
+    they would have failed every job of that model on every unit until a restart."""
+    done = unit.wait(unit.submit("flaky", WORK, params={"tag": "flaky"})["id"])
+    assert done["state"] == "succeeded" and done["result"]["tag"] == "flaky", done
+    assert "openapi.json answered 503" in unit.jobs.output()
 
 
 # ---- idempotency ------------------------------------------------------------------------
