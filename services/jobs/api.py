@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
+from redis.exceptions import RedisError
 from fastapi.responses import JSONResponse, Response
 
 from services.jobs.broker import IdempotencyMismatch, QueueFull, QueueUnavailable
@@ -34,7 +35,10 @@ JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "
 
 
 def _unavailable(svc: JobsService, exc: Exception) -> ApiError:
-    return ApiError(503, "queue_unavailable", f"the job queue cannot be reached now: {exc}",
+    # Redis's own text names hosts, scripts and keys: a client hears only the kind of failure
+    cause = exc.__cause__
+    why = type(cause).__name__ if isinstance(cause, (RedisError, OSError)) else str(exc)
+    return ApiError(503, "queue_unavailable", f"the job queue cannot be reached now ({why}); retry later",
                     {"Retry-After": str(svc.settings.retry_after_s)})
 
 

@@ -27,6 +27,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from services.jobs import redis_scripts as lua
 from services.jobs.broker import Broker, IdempotencyMismatch, ModelInfo, QueueFull, QueueUnavailable, Submitted
+from services.jobs.redis_errors import is_full, is_outage
 from services.jobs.records import QUEUED, Delivery, NewJob, Outcome, valid_id
 from services.jobs.settings import QueueSettings
 
@@ -125,8 +126,10 @@ class RedisBroker(Broker):
     async def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
         try:
             return await self.scripts[name](keys=keys, args=args)
-        except ResponseError:
-            raise  # a script error is a bug, not an outage
+        except ResponseError as exc:
+            if not is_outage(exc):
+                raise  # a script error is a bug, not an outage
+            raise QueueUnavailable(str(exc)) from exc
         except (RedisError, OSError) as exc:
             raise QueueUnavailable(str(exc)) from exc
 
@@ -211,12 +214,12 @@ class RedisBroker(Broker):
                 if verdict == "ok":
                     return Submitted(job.id, QUEUED, True)
             raise QueueUnavailable("the Idempotency-Key kept racing")
-        except ResponseError as exc:
+        except (QueueUnavailable, RedisError, OSError) as exc:
             # noeviction at maxmemory: Redis is reachable but full, which the client should hear
-            if "maxmemory" in str(exc) or str(exc).startswith("OOM"):
+            if is_full(exc.__cause__ or exc):
                 raise QueueFull("Redis is at its maxmemory and refuses new jobs") from exc
-            raise QueueUnavailable(str(exc)) from exc
-        except (RedisError, OSError) as exc:
+            if isinstance(exc, QueueUnavailable):
+                raise
             raise QueueUnavailable(str(exc)) from exc
 
     @_deadline

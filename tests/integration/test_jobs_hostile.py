@@ -377,6 +377,8 @@ def test_a_full_redis_refuses_submits_with_503_and_the_unit_goes_on(tmp_path):
         start_units(u)
         done = u.submit("scripted", WORK, params={"tag": "before"})["id"]
         assert u.wait(done)["state"] == "succeeded"
+        running = u.submit("scripted", WORK, params={"tag": "long", "sleep_s": 3})["id"]
+        u.wait(running, states={"running"})
         admin = redis.Redis(port=srv.port)
         admin.config_set("maxmemory-policy", "noeviction")
         admin.config_set("maxmemory", 1)
@@ -387,6 +389,11 @@ def test_a_full_redis_refuses_submits_with_503_and_the_unit_goes_on(tmp_path):
             err = error_of(r)
             assert err["code"] == "queue_full" and "maxmemory" in err["message"] and r.headers["retry-after"], r.text
         assert u.api.get(f"/v1/jobs/{done}").json()["state"] == "succeeded"
+        # a cancel that must write is refused as an outage (it was a 500), without Redis's own text
+        r = u.api.delete(f"/v1/jobs/{running}", timeout=30)
+        assert r.status_code == 503, r.text
+        err = error_of(r)
+        assert err["code"] == "queue_unavailable" and "script" not in err["message"], err
         assert u.jobs.alive
         admin.config_set("maxmemory", 0)
         assert u.wait(u.submit("scripted", WORK, params={"tag": "after"})["id"])["state"] == "succeeded"
