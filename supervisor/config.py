@@ -25,7 +25,7 @@ from typing import Any, Callable, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from supervisor.errors import ConfigError
-from supervisor.redact import REDACTED, is_secret_name
+from supervisor.redact import REDACTED, is_secret_name, scrub_text
 from supervisor.status import DEFAULT_CONTROL_SOCKET
 
 ENV_PREFIX = "ONECARD_"
@@ -99,7 +99,7 @@ class ServiceSettings(_Strict):
     @field_validator("app")
     @classmethod
     def _app_shape(cls, v: str | None) -> str | None:
-        if v is not None and not APP_RE.match(v):
+        if v is not None and not APP_RE.fullmatch(v):
             raise ValueError("expected 'package.module:factory'")
         return v
 
@@ -203,7 +203,7 @@ def _describe(err: dict[str, Any]) -> str:
         return f"{msg}, got {REDACTED}"
     if not isinstance(value, (dict, list)):
         msg = f"{msg}, got {value!r}"
-    return msg
+    return scrub_text(msg)  # a URL's password, in the value or in the validator's own message
 
 
 GpuTotal = Callable[[str], "int | None"]

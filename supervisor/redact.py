@@ -13,7 +13,8 @@ from typing import Any, Mapping
 
 REDACTED = "<redacted>"
 SECRET_NAME = re.compile(r"(?i)(key|token|secret|passw|credential|auth|cookie|private|signature)")
-_URL_PASSWORD = re.compile(r"(?P<head>[a-z][a-z0-9+.-]*://[^:/@\s]*:)(?P<pw>[^@/\s]+)(?P<tail>@)", re.I)
+# the password runs to the @ (a '/' or '?' in it is common, and unencoded in hand-written URLs)
+_URL_PASSWORD = re.compile(r"(?P<head>[a-z][a-z0-9+.-]*://[^:/@\s]*:)(?P<pw>[^@\s]+)(?P<tail>@)", re.I)
 # Environment variables whose value is JSON settings: secrets are found inside by key name.
 JSON_VARS = frozenset({"ONECARD_SERVICE_CONFIG"})
 

@@ -187,6 +187,21 @@ def test_secret_values_never_appear_in_errors(tmp_path):
     assert "12345" not in msg and "services.detect.settings.api_key" in msg and "<redacted>" in msg
 
 
+def test_a_password_inside_a_url_never_appears_in_errors(tmp_path):
+    """Any value a validator echoes back, whatever the key's name: a URL's password, also one
+    with the '/' or '?' that generated passwords carry."""
+    for pw in ("hunter2", "pa/ss?w#rd"):
+        text = BASE.replace('app = "services.detect.app:create_app"', f'app = "http://:{pw}@h:6379/0"')
+        msg = error_of(write(tmp_path, text), environ={})
+        assert pw not in msg and "services.detect.app" in msg and "http://:<redacted>@h:6379/0" in msg, msg
+
+
+def test_an_app_path_with_anything_after_it_is_refused(tmp_path):
+    for bad in ("services.detect.app:create_app\\n", "services.detect.app:create_app x"):
+        text = BASE.replace('app = "services.detect.app:create_app"', f'app = "{bad}"')
+        assert "services.detect.app" in error_of(write(tmp_path, text), environ={})
+
+
 def test_byte_budgets_are_judged_against_the_visible_card(tmp_path):
     sizes = {"0": 16 * 2**30, "1": 80 * 2**30}
     text = BASE.replace("port = 7862", f"port = 7862\ngpu_memory_bytes = {20 * 2**30}")
