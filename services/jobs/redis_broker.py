@@ -18,7 +18,6 @@ import logging
 import os
 import time
 from typing import Any, Callable
-from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -36,11 +35,13 @@ MAX_BLOCK_S = 5.0
 
 
 def redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password:
-        netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-        return urlunsplit(parts._replace(netloc=netloc))
-    return url
+    """The password masked up to the last '@', which also covers an unencoded '/' in it."""
+    head, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    creds, _, host = rest.rpartition("@")
+    user = creds.split(":", 1)[0] if ":" in creds else ""
+    return f"{head}://{user}:***@{host}" if ":" in creds else url
 
 
 def _s(v: Any) -> str:

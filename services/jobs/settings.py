@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.runtime.settings import StartupConfigError
@@ -24,6 +25,23 @@ ROUTE_RE = re.compile(r"(/[A-Za-z0-9_.-]+)+")
 def valid_route(route: str) -> bool:
     return len(route) <= 256 and ROUTE_RE.fullmatch(route) is not None \
         and not any(set(seg) == {"."} for seg in route.split("/")[1:])
+
+
+def redis_url_problem(url: str) -> str | None:
+    """What makes a Redis URL unusable, never quoting it (it may hold a password). An
+    unencoded '/', '?' or '#' in a password moves the rest into the path: redis-py then
+    fails on a piece of the password as a port, or quietly connects to localhost."""
+    if url.startswith("unix://"):
+        return None
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        parts = None
+    if parts is None or not parts.hostname or "@" in parts.path + parts.query + parts.fragment:
+        return ("the Redis URL does not parse as redis://[user:password@]host:port/db (percent-encode a "
+                "'/', '?', '#' or '@' in the password)")
+    return None
 
 
 class _Strict(BaseModel):
@@ -68,6 +86,9 @@ class QueueSettings(_Strict):
             if not url.startswith(("redis://", "rediss://", "unix://")):
                 raise StartupConfigError(f"queue.url_env: {self.url_env} is not a redis://, rediss:// or unix:// "
                                          "URL")
+            problem = redis_url_problem(url)
+            if problem:
+                raise StartupConfigError(f"queue.url_env: {self.url_env}: {problem}")
             return url
         return None
 
@@ -76,6 +97,9 @@ class QueueSettings(_Strict):
     def _redis_url(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("expected redis://host:port/db, rediss://... or unix://...")
+        problem = v and redis_url_problem(v)
+        if problem:
+            raise ValueError(problem)
         return v
 
 

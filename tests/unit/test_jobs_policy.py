@@ -13,6 +13,7 @@ from services.jobs.outcome import Verdict, classify, retry_after_s
 from services.jobs.payload import Limits, build_body
 from services.jobs.payload import parse_envelope as parse_with_depth
 from services.jobs.records import public_view, render_result, request_digest, valid_id
+from services.jobs.redis_broker import redact
 from services.jobs.settings import JobsSettings, valid_route
 from services.jobs.targets import job_routes, model_label, unit_services
 from services.runtime.errors import ApiError
@@ -143,6 +144,32 @@ def test_a_queue_url_variable_must_name_a_url():
             s.queue.resolved_url(env)
         assert "queue.url_env" in str(err.value) and "JOBS_TEST_REDIS_URL" in str(err.value)
     assert s.queue.resolved_url({"JOBS_TEST_REDIS_URL": "redis://r:6379/0"}) == "redis://r:6379/0"
+
+
+@pytest.mark.parametrize("url", ["redis://:pa/ss@h:6379/0", "redis://:12/34@h:6379/0", "redis://u:p?w@h:6379/0",
+                                 "redis://:p#w@h/0", "redis://:secret@h:notaport/0", "redis:///0"])
+def test_a_redis_url_that_does_not_parse_is_refused_without_quoting_it(url):
+    """An unencoded '/', '?' or '#' in a password: redis-py would fail on a piece of it as a
+    port (printing it) or quietly connect to localhost."""
+    s = JobsSettings.model_validate({"queue": {"url_env": "JOBS_TEST_REDIS_URL"}})
+    with pytest.raises(StartupConfigError) as err:
+        s.queue.resolved_url({"JOBS_TEST_REDIS_URL": url})
+    assert "percent-encode" in str(err.value)
+    with pytest.raises(ValidationError) as bad:
+        JobsSettings.model_validate({"queue": {"url": url}})
+    assert "percent-encode" in str(bad.value)
+    for secret in ("pa/ss", "12/34", "p?w", "p#w", "secret"):
+        assert secret not in str(err.value)
+    for good in ("redis://:pa%2Fss@h:6379/0", "rediss://u:p@h:6380/1", "redis://h/0", "unix:///run/redis.sock"):
+        assert s.queue.resolved_url({"JOBS_TEST_REDIS_URL": good}) == good
+
+
+@pytest.mark.parametrize("url, shown", [("redis://:pa/ss@h:6379/0", "redis://:***@h:6379/0"),
+                                        ("redis://u:p@w@h:6379/0", "redis://u:***@h:6379/0"),
+                                        ("redis://h:6379/0", "redis://h:6379/0"),
+                                        ("redis://default@h:6379/0", "redis://default@h:6379/0")])
+def test_the_queue_url_shown_in_info_never_holds_its_password(url, shown):
+    assert redact(url) == shown
 
 
 def _b64(data: bytes) -> str:
