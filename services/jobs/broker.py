@@ -16,6 +16,7 @@ terminal state wins, a second run's result is dropped, so a job has exactly one 
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -48,9 +49,13 @@ class ModelInfo:
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> "ModelInfo":
-        routes, control = doc.get("routes"), doc.get("control_routes")
+        routes, control, limits = doc.get("routes"), doc.get("control_routes"), doc.get("limits")
+        # what another unit wrote to Redis: a malformed entry must not make every submit a 500
+        limits = {str(k): v for k, v in limits.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+                  and math.isfinite(v)} \
+            if isinstance(limits, dict) else {}
         return cls(str(doc["label"]), str(doc["service"]),
-                   [str(r) for r in routes] if isinstance(routes, list) else None, doc.get("limits") or {},
+                   [str(r) for r in routes] if isinstance(routes, list) else None, limits,
                    [str(r) for r in control] if isinstance(control, list) else [])
 
 

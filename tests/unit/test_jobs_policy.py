@@ -9,6 +9,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from services.jobs.broker import ModelInfo
 from services.jobs.outcome import Verdict, classify, retry_after_s
 from services.jobs.payload import Limits, build_body
 from services.jobs.payload import parse_envelope as parse_with_depth
@@ -170,6 +171,15 @@ def test_a_redis_url_that_does_not_parse_is_refused_without_quoting_it(url):
                                         ("redis://default@h:6379/0", "redis://default@h:6379/0")])
 def test_the_queue_url_shown_in_info_never_holds_its_password(url, shown):
     assert redact(url) == shown
+
+
+@pytest.mark.parametrize("limits", ["x", [1], 5, {"max_body_bytes": "big", "max_pixels": True},
+                                    {"max_pixels": float("inf"), "max_body_bytes": float("nan")}])
+def test_a_malformed_model_entry_in_the_queue_has_no_limits_rather_than_breaking_submits(limits):
+    info = ModelInfo.from_json({"label": "a/b/c", "service": "a", "routes": ["/r"], "limits": limits})
+    assert info.limits == {} and info.routes == ["/r"]
+    assert ModelInfo.from_json({"label": "a/b/c", "service": "a", "limits": {"max_pixels": 10}}).limits == \
+        {"max_pixels": 10}
 
 
 def _b64(data: bytes) -> str:
