@@ -121,6 +121,7 @@ def test_redis_args_and_probe_work_on_a_real_redis(tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         (probe,) = {json.dumps(c[p]["exec"]["command"]) for p in ("startupProbe", "readinessProbe")}
+        assert " -a " not in probe and "REDISCLI_AUTH=" in probe  # a password on argv is in every ps
         command = [part.replace(f"{conf_mount}/{item['path']}", str(conf)).replace("redis-cli ", f"redis-cli -p {port} ")
                    for part in json.loads(probe)]
 
