@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import time
 from typing import Any, Callable
 
@@ -28,20 +29,10 @@ from services.jobs import redis_scripts as lua
 from services.jobs.broker import Broker, IdempotencyMismatch, ModelInfo, QueueFull, QueueUnavailable, Submitted
 from services.jobs.redis_errors import is_full, is_outage
 from services.jobs.records import QUEUED, Delivery, NewJob, Outcome, valid_id
-from services.jobs.settings import QueueSettings
+from services.jobs.settings import QueueSettings, redact
 
 log = logging.getLogger("onecard.jobs")
 MAX_BLOCK_S = 5.0
-
-
-def redact(url: str) -> str:
-    """The password masked up to the last '@', which also covers an unencoded '/' in it."""
-    head, sep, rest = url.partition("://")
-    if not sep or "@" not in rest:
-        return url
-    creds, _, host = rest.rpartition("@")
-    user = creds.split(":", 1)[0] if ":" in creds else ""
-    return f"{head}://{user}:***@{host}" if ":" in creds else url
 
 
 def _s(v: Any) -> str:
@@ -93,7 +84,12 @@ class RedisBroker(Broker):
         self.r = pool(op_s)
         # blocking reads hold their connection for block_s: their own pool, a longer timeout
         self.blocking = pool(self.block_s + op_s)
-        self.listener = aioredis.from_url(url, socket_timeout=None, **kw)  # one pub/sub connection
+        # one pub/sub connection, idle by nature (no read timeout): TCP keepalive finds a peer that
+        # vanished without a reset, so the listener reconnects instead of waiting forever
+        keepalive = {o: v for o, v in (("TCP_KEEPIDLE", 15), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3))
+                     if hasattr(socket, o)}
+        self.listener = aioredis.from_url(url, socket_timeout=None, socket_keepalive=True, socket_keepalive_options={
+            getattr(socket, o): v for o, v in keepalive.items()}, **kw)
         self.scripts = {name: self.r.register_script(getattr(lua, name))
                         for name in ("SUBMIT", "START", "RENEW", "FINISH", "REQUEUE", "CANCEL", "DISCARD")}
         self._next_reclaim: dict[str, float] = {}

@@ -27,6 +27,16 @@ def valid_route(route: str) -> bool:
         and not any(set(seg) == {"."} for seg in route.split("/")[1:])
 
 
+def redact(url: str) -> str:
+    """The password masked up to the last '@', which also covers an unencoded '/' in it."""
+    head, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    creds, _, host = rest.rpartition("@")
+    user = creds.split(":", 1)[0] if ":" in creds else ""
+    return f"{head}://{user}:***@{host}" if ":" in creds else url
+
+
 def redis_url_problem(url: str) -> str | None:
     """What makes a Redis URL unusable, never quoting it (it may hold a password). An
     unencoded '/', '?' or '#' in a password moves the rest into the path: redis-py then

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import socket
 import time
 
 import pytest
@@ -239,3 +240,28 @@ def test_the_group_lag_stays_readable_through_cancels_and_finishes(make, server)
         group = redis.Redis.from_url(server.url).xinfo_groups(f"{make.prefix}:stream:{LABEL}")[0]
         assert group["lag"] == 5 and group["pending"] == 0
     run(make, scenario)
+
+
+
+def test_the_idle_pubsub_connection_has_tcp_keepalive(server):
+    """The cancel/done listener reads with no timeout: only TCP keepalive notices a Redis that
+    vanished without a reset (a partition), so that it reconnects instead of waiting forever."""
+    async def main():
+        broker = RedisBroker(server.url, QueueSettings(prefix=f"b{next(_prefixes)}"), "n1", 10)
+        await broker.start()
+        try:
+            conns = []
+            for _ in range(100):
+                conns = [c for c in broker.listener.connection_pool._in_use_connections if c.is_connected]
+                if conns:
+                    break
+                await asyncio.sleep(0.02)
+            assert conns, "the listener never connected"
+            sock = conns[0]._writer.transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            if hasattr(socket, "TCP_KEEPIDLE"):
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 15
+        finally:
+            await broker.close()
+
+    asyncio.run(main())

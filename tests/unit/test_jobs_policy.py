@@ -14,8 +14,7 @@ from services.jobs.outcome import Verdict, classify, retry_after_s
 from services.jobs.payload import Limits, build_body
 from services.jobs.payload import parse_envelope as parse_with_depth
 from services.jobs.records import public_view, render_result, request_digest, valid_id
-from services.jobs.redis_broker import redact
-from services.jobs.settings import JobsSettings, valid_route
+from services.jobs.settings import JobsSettings, redact, valid_route
 from services.jobs.targets import job_routes, model_label, unit_services
 from services.runtime.errors import ApiError
 from services.runtime.settings import StartupConfigError
