@@ -30,17 +30,18 @@ def valid_route(route: str) -> bool:
 def redact(url: str) -> str:
     """The password masked up to the last '@', which also covers an unencoded '/' in it."""
     head, sep, rest = url.partition("://")
-    if not sep or "@" not in rest:
+    creds, at, host = rest.rpartition("@")
+    if not sep or not at or ":" not in creds:
         return url
-    creds, _, host = rest.rpartition("@")
-    user = creds.split(":", 1)[0] if ":" in creds else ""
-    return f"{head}://{user}:***@{host}" if ":" in creds else url
+    return f"{head}://{creds.split(':', 1)[0]}:***@{host}"
 
 
 def redis_url_problem(url: str) -> str | None:
     """What makes a Redis URL unusable, never quoting it (it may hold a password). An
     unencoded '/', '?' or '#' in a password moves the rest into the path: redis-py then
     fails on a piece of the password as a port, or quietly connects to localhost."""
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        return "expected redis://host:port/db, rediss://... or unix://..."
     if url.startswith("unix://"):
         return None
     try:
@@ -93,9 +94,6 @@ class QueueSettings(_Strict):
                 raise StartupConfigError(f"queue.url_env: the environment variable {self.url_env} is not set or "
                                          "empty; set it to redis://host:port/db, or remove url_env to keep the "
                                          "jobs in memory")
-            if not url.startswith(("redis://", "rediss://", "unix://")):
-                raise StartupConfigError(f"queue.url_env: {self.url_env} is not a redis://, rediss:// or unix:// "
-                                         "URL")
             problem = redis_url_problem(url)
             if problem:
                 raise StartupConfigError(f"queue.url_env: {self.url_env}: {problem}")
@@ -105,9 +103,7 @@ class QueueSettings(_Strict):
     @field_validator("url")
     @classmethod
     def _redis_url(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("expected redis://host:port/db, rediss://... or unix://...")
-        problem = v and redis_url_problem(v)
+        problem = v is not None and redis_url_problem(v)
         if problem:
             raise ValueError(problem)
         return v
