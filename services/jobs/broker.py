@@ -35,6 +35,15 @@ class IdempotencyMismatch(Exception):
     """An Idempotency-Key reused with a different request."""
 
 
+def numeric_limits(limits: Any) -> dict[str, int | float]:
+    """The finite numbers of a limits table from a service's /info or another unit's entry in
+    Redis: anything else (a string, a boolean, inf) would make every submit of that model a 500."""
+    if not isinstance(limits, dict):
+        return {}
+    return {str(k): v for k, v in limits.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
 @dataclass
 class ModelInfo:
     label: str
@@ -49,13 +58,9 @@ class ModelInfo:
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> "ModelInfo":
-        routes, control, limits = doc.get("routes"), doc.get("control_routes"), doc.get("limits")
-        # what another unit wrote to Redis: a malformed entry must not make every submit a 500
-        limits = {str(k): v for k, v in limits.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-                  and math.isfinite(v)} \
-            if isinstance(limits, dict) else {}
+        routes, control = doc.get("routes"), doc.get("control_routes")
         return cls(str(doc["label"]), str(doc["service"]),
-                   [str(r) for r in routes] if isinstance(routes, list) else None, limits,
+                   [str(r) for r in routes] if isinstance(routes, list) else None, numeric_limits(doc.get("limits")),
                    [str(r) for r in control] if isinstance(control, list) else [])
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 
+from services.jobs.broker import numeric_limits
 from services.jobs.settings import LABEL_RE, JobsSettings, TargetSettings, valid_route
 from services.runtime.errors import ApiError
 
@@ -208,7 +209,7 @@ class Target:
         elif not isinstance(doc, dict):
             log.warning("jobs: %s publishes no OpenAPI document and targets.%s.routes is not set: no job can "
                         "run on it", self.name, self.name)
-        self.limits = {k: v for k, v in (info.get("limits") or {}).items() if isinstance(v, (int, float))}
+        self.limits = numeric_limits(info.get("limits"))
         batch = int(self.limits.get("max_batch_size") or 1)
         self.max_in_flight = self.settings.max_in_flight or max(2, batch + 1)
         await self.close()
