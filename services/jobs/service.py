@@ -79,9 +79,7 @@ class JobsService:
             log.error("jobs: %s; set model_label per target", self.startup_problem)
             return
         for t in self.targets:
-            info = ModelInfo(t.label, t.label.split("/", 1)[0], t.routes,
-                             {k: t.limits[k] for k in ("max_body_bytes", "max_pixels") if k in t.limits},
-                             t.control_routes)
+            info = t.model_info()
             await self._until_queue(lambda: self.broker.announce(info))
         if self.settings.consume:
             renew = max(0.1, self.settings.queue.visibility_timeout_s / 3)
@@ -196,7 +194,7 @@ class JobsService:
         known = {label: ModelInfo(label, label.split("/", 1)[0]) for label in self.settings.accept_models}
         known.update(await self.broker.models())
         for label, t in self.local().items():
-            known[label] = ModelInfo(label, label.split("/", 1)[0], t.routes, t.limits, t.control_routes)
+            known[label] = t.model_info()
         return known
 
     async def resolve(self, req: SubmitRequest) -> tuple[str, Limits, Target | None]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from services.jobs.broker import numeric_limits
+from services.jobs.broker import ModelInfo, numeric_limits
 from services.jobs.settings import LABEL_RE, JobsSettings, TargetSettings, valid_route
 from services.runtime.errors import ApiError
 
@@ -134,6 +134,12 @@ class Target:
     dry_run_supported: bool | None = None     # None: not known yet
     up: bool = False
     session: aiohttp.ClientSession | None = None
+
+    def model_info(self) -> ModelInfo:
+        """What this unit announces of its model: routes, and the limits a submit is checked by."""
+        return ModelInfo(self.label, self.label.split("/", 1)[0], self.routes,
+                         {k: self.limits[k] for k in ("max_body_bytes", "max_pixels") if k in self.limits},
+                         self.control_routes)
 
     def headers(self) -> dict[str, str]:
         h = {"content-type": "application/json"}
