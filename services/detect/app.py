@@ -18,7 +18,7 @@ from services.detect.settings import DetectSettings
 from services.runtime.app import ServiceContext, create_service_app
 from services.runtime.body import RawRequest
 from services.runtime.inputs import read_image_input
-from services.runtime.params import Float, Int, Params, inline_schema, query_parameters, validate
+from services.runtime.params import Float, Int, Params, inline_schema, query_parameters
 from services.runtime.pipeline import ModelRoute, Reply, Work, json_reply
 
 BINARY = {"schema": {"type": "string", "format": "binary"}}
@@ -59,8 +59,8 @@ def _map_back(face: dict[str, Any], scale: float, width: int, height: int) -> di
 
 def detect_route(cfg: DetectSettings, shrinks_to: int | None) -> ModelRoute:
     def decode(raw: RawRequest) -> Work:
-        got = read_image_input(raw, cfg, max_side=shrinks_to)
-        params = validate(DetectParams, got.params)
+        got = read_image_input(raw, cfg, max_side=shrinks_to, params=DetectParams)
+        params = got.params
         img = got.image
         return Work([DetectItem(img.rgb, params.min_score, params.max_faces)], None, img)
 

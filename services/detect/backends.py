@@ -19,7 +19,7 @@ import numpy as np
 from services.detect.settings import DetectSettings
 from services.runtime.backend import Backend
 from services.runtime.gpu import check_session_device, ort_providers
-from services.runtime.threads import ort_session_options, planned_threads
+from services.runtime.threads import ort_run_options, ort_session_options, planned_threads
 
 
 @dataclass(frozen=True)
@@ -86,9 +86,16 @@ class CenterFaceBackend(Backend):
             model.SerializeToString(), sess_options=ort_session_options(planned_threads()),
             providers=ort_providers(self.settings.device))
         self.device = check_session_device(self.session, self.settings.device)
+        self.run_options = ort_run_options()
 
     def warmup_items(self) -> list[Any]:
         return [DetectItem(_warm_image(), 0.5, None)] * min(2, self.settings.max_batch_size)
+
+    def item_pixels(self, item: DetectItem) -> int:
+        return self.canvas * self.canvas  # every item runs on the same canvas
+
+    def item_work(self, item: DetectItem) -> float:
+        return 1.0
 
     def _prepare(self, rgb: np.ndarray) -> tuple[np.ndarray, float]:
         h, w = rgb.shape[:2]
@@ -102,7 +109,7 @@ class CenterFaceBackend(Backend):
     def infer_batch(self, items: list[DetectItem]) -> list[Any]:
         prepared = [self._prepare(it.rgb) for it in items]
         blob = np.stack([p[0] for p in prepared])
-        heat, scale, offset, lms = self.session.run(self.output_names, {self.input_name: blob})
+        heat, scale, offset, lms = self.session.run(self.output_names, {self.input_name: blob}, self.run_options)
         return [self._decode(heat[i, 0], scale[i], offset[i], lms[i], prepared[i][1], items[i])
                 for i in range(len(items))]
 
@@ -208,6 +215,9 @@ class InsightFaceBackend(_PerImageBackend):
         model.prepare(0 if use_cuda else -1, input_size=size, det_thresh=0.05, nms_thresh=self.settings.nms_threshold)
         self.device = check_session_device(model.session, self.settings.device)
         self.model, self.size = model, size
+
+    def item_pixels(self, item: DetectItem) -> int:
+        return self.settings.max_side * self.settings.max_side  # the detector's fixed input size
 
     def _detect(self, item: DetectItem) -> list[dict]:
         bgr = np.ascontiguousarray(item.rgb[:, :, ::-1])

@@ -8,7 +8,6 @@ in the CPU pool too.
 
 from __future__ import annotations
 
-import base64
 import os
 import uuid
 from typing import Any
@@ -23,10 +22,10 @@ from services.img2img.progress import Progress
 from services.img2img.settings import Img2ImgSettings
 from services.runtime.app import ServiceContext, create_service_app
 from services.runtime.body import RawRequest
-from services.runtime.codec import choose_format, decode_image, encode_image
+from services.runtime.codec import check_encodable, choose_format, decode_image, encode_base64, encode_image
 from services.runtime.errors import ApiError
-from services.runtime.inputs import decode_limits, read_image_input
-from services.runtime.params import Params, inline_schema, query_parameters, validate
+from services.runtime.inputs import ProbedInput, decode_limits, read_image_input
+from services.runtime.params import Params, inline_schema, query_parameters
 from services.runtime.pipeline import ModelRoute, Reply, Work, json_reply
 
 BINARY = {"schema": {"type": "string", "format": "binary"}}
@@ -89,12 +88,26 @@ class Img2ImgRoutes:
         return np.asarray(img)
 
     # ---- POST /api/v1/img2img ---------------------------------------------------------
-    def decode_native(self, raw: RawRequest) -> Work:
-        got = read_image_input(raw, self.cfg, max_side=self.cfg.max_side, extra_image_fields=("style_image",))
-        p = validate(Img2ImgParams, got.params)
+    def model_pixels(self, width: int, height: int) -> int:
+        """Pixels the model sees for a picture of this size (fitted to max_side)."""
+        scale = min(1.0, self.cfg.max_side / max(width, height))
+        return max(1, round(width * scale)) * max(1, round(height * scale))
+
+    def native_cost(self, raw: RawRequest, probed: ProbedInput) -> None:
+        p, h = probed.params, probed.header
         self.check_prompts(p.prompt, p.negative_prompt)
+        self.check_size(h.width, h.height)
+        fmt = choose_format(p.format, raw.headers.get("accept", ""), self.cfg.default_format)
+        check_encodable(h.width, h.height, fmt)
+        raw.cost.check(items=1, item_pixels=self.model_pixels(h.width, h.height), input_pixels=probed.input_pixels,
+                       output_pixels=h.pixels, base64_output=p.response_format == "json"
+                       or raw.headers.get("accept", "").startswith("application/json"))
+
+    def decode_native(self, raw: RawRequest) -> Work:
+        got = read_image_input(raw, self.cfg, max_side=self.cfg.max_side, extra_image_fields=("style_image",),
+                               params=Img2ImgParams, cost=self.native_cost)
+        p = got.params
         img = got.image
-        self.check_size(img.width, img.height)
         style_rgb = None
         if "style_image" in got.extra_images:
             style = decode_image(got.extra_images["style_image"], decode_limits(self.cfg), 512)
@@ -114,7 +127,7 @@ class Img2ImgRoutes:
         data, mime = encode_image(out, opts["format"], opts["quality"])
         headers = {"X-Seed": str(item.seed)}
         if opts["json"]:
-            return json_reply({"image": base64.b64encode(data).decode(), "seed": item.seed, "width": out.shape[1],
+            return json_reply({"image": encode_base64(data), "seed": item.seed, "width": out.shape[1],
                                "height": out.shape[0], "format": opts["format"]}, headers)
         return Reply(data, mime, headers)
 

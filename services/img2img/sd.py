@@ -119,6 +119,14 @@ class DiffusersBackend(Backend):
     def postprocess(self, item: Img2ImgItem, out: np.ndarray) -> np.ndarray:
         return out
 
+    def item_pixels(self, item: Img2ImgItem) -> int:
+        size = item.key[1] if item.key else (item.image.size if item.image is not None else item.size or (0, 0))
+        return int(size[0]) * int(size[1])
+
+    def item_work(self, item: Img2ImgItem) -> float:
+        steps = item.steps if item.image is None else max(1, int(item.steps * item.strength))
+        return float(max(1, self.item_pixels(item)) * steps)
+
     def warmup_items(self) -> list[Any]:
         rgb = Image.fromarray(np.full((64, 64, 3), 128, dtype=np.uint8))
         item = Img2ImgItem(rgb, "warm-up", "", 0.5, 2, 7.5, 0, (64, 64))

@@ -19,7 +19,7 @@ from services.img2img.progress import Progress
 from services.img2img.settings import Img2ImgSettings
 from services.runtime.backend import Backend
 from services.runtime.gpu import check_session_device, ort_providers
-from services.runtime.threads import ort_session_options, planned_threads
+from services.runtime.threads import ort_run_options, ort_session_options, planned_threads
 
 
 def fit(img: Image.Image, max_side: int, multiple: int) -> Image.Image:
@@ -57,6 +57,7 @@ class StyleBackend(Backend):
         for name in ("arbitrary_predict", "arbitrary_transform"):
             self.sessions[name] = ort.InferenceSession(str(MODEL_DIR / f"{name}.onnx"), opts, providers=providers)
         self.device = check_session_device(self.sessions["multistyle26"], self.settings.device)
+        self.run_options = ort_run_options()
         self.model_dir = str(MODEL_DIR)
 
     # ---- CPU pool ---------------------------------------------------------------------
@@ -101,7 +102,8 @@ class StyleBackend(Backend):
             elif kind == "preset":
                 x = np.stack([np.asarray(i.image.convert("RGB"), dtype=np.float32).transpose(2, 0, 1) / 255.0
                               for i in items])
-                y = self.sessions["multistyle26"].run(None, {"image": x, "style_weights": items[0].style_weights})[0]
+                y = self.sessions["multistyle26"].run(None, {"image": x, "style_weights": items[0].style_weights},
+                                                     self.run_options)[0]
                 out = [(np.clip(y[n].transpose(1, 2, 0), 0, 1) * 255 + 0.5).astype(np.uint8) for n in range(len(items))]
             else:
                 out = [self._arbitrary(i) for i in items]

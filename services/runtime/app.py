@@ -23,6 +23,9 @@ from services.runtime import info as service_info
 from services.runtime.admission import Admission
 from services.runtime.auth import Credentials
 from services.runtime.backend import Backend
+from services.runtime.budget import HeldMemory, plan_budgets, service_memory
+from services.runtime import memory
+from services.runtime import gpu as service_gpu
 from services.runtime.errors import ApiError, ClientGone, error_response, error_responses, install_error_handlers
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.pipeline import CpuPool, Pipeline
@@ -31,6 +34,7 @@ from services.runtime.protocol import ConnectionStats
 from services.runtime.scheduler import Scheduler
 from services.runtime.settings import RuntimeSettings
 from services.runtime.threads import apply_threads, planned_threads
+from services.runtime.warmup import warm_up
 
 log = logging.getLogger("onecard.service")
 PROBE_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/stats"})
@@ -94,6 +98,8 @@ class ServiceContext:
             "latency_p50_ms": None if p50 is None else round(p50 * 1000, 2),
             "latency_p99_ms": None if p99 is None else round(p99 * 1000, 2),
             "gpu_memory_bytes": self._gpu_memory(),
+            "dry_runs": self.metrics.dry_runs,
+            "batching": sched.batching_stats() if sched else None,
             **self._identity(),
         }
 
@@ -109,6 +115,26 @@ class ServiceContext:
             self.metrics.gpu_memory.set(mem)
         self.metrics.queue_depth.set(self.admission.waiting)
         return self.metrics.exposition()
+
+
+def plan_service_budgets(ctx: ServiceContext) -> None:
+    """After warm-up: the service's memory split into budgets (budget.py), the ledger opened.
+    On a GPU a model call's working memory is the card's budget minus what the model holds."""
+    s = ctx.settings
+    cost = ctx.scheduler.cost
+    total, source = service_memory(s.memory_budget_bytes, s.memory_budget_fraction)
+    baseline = memory.resident_bytes() or 0
+    gpu_call = None
+    if str(getattr(ctx.backend, "device", "")) == "cuda":
+        card = service_gpu.budget_bytes()
+        held_on_card = ctx._gpu_memory() or 0
+        if card:
+            gpu_call = max(0, card - held_on_card)
+    budgets = plan_budgets(total, baseline, source=source, batch_bytes=s.max_call_memory_bytes,
+                           request_bytes=s.max_request_bytes, gpu_batch_bytes=gpu_call)
+    cost.budgets = budgets
+    cost.held = HeldMemory(budgets.held_bytes, s.retry_after_s)
+    log.info("%s memory: %s", ctx.name, budgets.snapshot())
 
 
 class ServiceMiddleware:
@@ -150,7 +176,11 @@ class ServiceMiddleware:
         route = scope.get("route")
         label = getattr(route, "path", None) or "unmatched"
         dt = time.perf_counter() - t0
-        self.ctx.metrics.observe_request(label, status, dt, model=label in self.ctx.pipeline.routes)
+        if label in self.ctx.pipeline.routes and any(
+                k == b"x-onecard-dry-run" and v.strip().lower() in (b"1", b"true") for k, v in scope["headers"]):
+            self.ctx.metrics.observe_dry_run(label, status)  # checked, not served: counted apart
+        else:
+            self.ctx.metrics.observe_request(label, status, dt, model=label in self.ctx.pipeline.routes)
         if self.log_requests:
             log.info("%s %s %d %.1fms %s", scope["method"], scope["path"], status, dt * 1000, timing.decode())
 
@@ -179,14 +209,10 @@ def create_service_app(name: str, settings: RuntimeSettings, backend: Backend,
         ctx.load_s = time.perf_counter() - t0
         apply_threads(ctx.threads)  # again: loading may have imported torch
         t1 = time.perf_counter()
-        items = backend.warmup_items()
-        for _ in range(settings.warmup_runs if items else 0):
-            results = await worker.run(backend.infer_batch, items)
-            failed = [r for r in results if isinstance(r, BaseException)]
-            if failed:
-                raise RuntimeError(f"warm-up inference failed: {failed[0]!r}")
-            ctx.warmup_inferences += len(items)
+        ctx.warmup_inferences = await warm_up(backend, worker.run, ctx.scheduler.cost, settings.warmup_runs,
+                                              ctx.scheduler.max_batch)
         ctx.warmup_s = time.perf_counter() - t1
+        await ctx.cpu.run(plan_service_budgets, ctx)
         ctx.static_info = await ctx.cpu.run(service_info.static_info, ctx)
         ctx.scheduler.start()
         ctx.ready = True

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -36,6 +36,7 @@ class RawRequest:
     content_type_header: str
     body: bytes = b""
     extra: dict[str, Any] = field(default_factory=dict)  # what a route passes to its hooks
+    cost: Any = None                 # a RequestCost: the hook states the request's cost before decoding
 
 
 def media_type(header: str) -> str:
@@ -51,19 +52,30 @@ def query_params(request: Request) -> dict[str, str]:
     return out
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
+HOLD_STEP = 1 << 20  # a chunked body's holding is raised a megabyte at a time
+
+
+async def read_body(request: Request, max_bytes: int, hold: Callable[[int], None] | None = None) -> bytes:
+    """The whole body, within `max_bytes`. `hold(n)` is told how much is held before it is
+    read (the declared length) or as it grows (chunked): it raises to refuse the rest."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.strip().isdigit():
             raise ApiError(400, "bad_request", "invalid Content-Length")
         if int(declared) > max_bytes:
             raise ApiError(413, "body_too_large", f"body of {declared} bytes is over the limit of {max_bytes}")
+        if hold is not None:
+            hold(int(declared))
+    held = int(declared) if declared is not None else 0
     buf = bytearray()
     try:
         async for chunk in request.stream():
             if len(buf) + len(chunk) > max_bytes:
                 raise ApiError(413, "body_too_large", f"body is over the limit of {max_bytes} bytes")
             buf += chunk
+            if hold is not None and len(buf) > held:
+                held = min(max_bytes, len(buf) + HOLD_STEP)
+                hold(held)
     except ClientDisconnect:  # left mid-upload (or cut at the body deadline): nobody to answer
         raise ClientGone() from None
     return bytes(buf)

@@ -76,8 +76,11 @@ def static_info(ctx: "ServiceContext") -> dict[str, Any]:
         "limits": {k: getattr(s, k) for k in (
             "max_queue", "max_batch_size", "max_wait_ms", "request_timeout_s", "inference_timeout_s",
             "max_body_bytes", "max_pixels", "max_jpeg_scans", "max_image_markers", "max_json_depth",
-            "max_connections", "max_header_bytes", "header_timeout_s", "body_timeout_s")},
+            "max_connections", "max_header_bytes", "header_timeout_s", "body_timeout_s", "memory_budget_bytes",
+            "max_call_memory_bytes", "max_request_bytes")},
         "batching": ctx.backend.supports_batching and s.max_batch_size > 1,
+        "batch_policy": s.batch_policy,
+        "memory_budgets": None if ctx.scheduler.cost.budgets is None else ctx.scheduler.cost.budgets.snapshot(),
         "gpu_memory_budget_bytes": budget_bytes(),
         "versions": _versions(),
     }

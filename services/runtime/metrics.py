@@ -55,10 +55,15 @@ class ServiceMetrics:
                                ["route", "stage"], buckets=STAGE_BUCKETS, registry=r)
         self.batch_size = Histogram("onecard_batch_size", "Items per model call.",
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256), registry=r)
+        self.batch_wait = Histogram("onecard_batch_wait_seconds",
+                                    "Time the batch loop waited for more items before a model call (auto policy).",
+                                    buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2), registry=r)
         self.queue_depth = Gauge("onecard_queue_depth", "Admitted requests not yet on the model.", registry=r)
         self.in_flight = Gauge("onecard_in_flight", "Items on the model now.", registry=r)
         self.gpu_memory = Gauge("onecard_gpu_memory_bytes", "GPU memory this service holds (self-reported).",
                                 registry=r)
+        self.dry_run = Counter("onecard_dry_runs", "Dry runs (X-Onecard-Dry-Run: checked, never run) by route and "
+                               "status; not in onecard_requests_total.", ["route", "status"], registry=r)
         self.dropped = Counter("onecard_dropped", "Requests dropped before or during the model, by reason.",
                                ["reason"], registry=r)
         self.build = Gauge("onecard_build_info", "Build of this service (value 1).",
@@ -70,6 +75,7 @@ class ServiceMetrics:
         self._lock = threading.Lock()
         self.served = 0
         self.errors = 0
+        self.dry_runs = 0
 
     def observe_request(self, route: str, status: int, seconds: float, model: bool) -> None:
         self.requests.labels(route, str(status)).inc()
@@ -82,6 +88,11 @@ class ServiceMetrics:
                 self._lat.append(seconds)
             elif status >= 500 and status not in (503, 504):
                 self.errors += 1
+
+    def observe_dry_run(self, route: str, status: int) -> None:
+        self.dry_run.labels(route, str(status)).inc()
+        with self._lock:
+            self.dry_runs += 1
 
     def latency_percentiles(self) -> tuple[float | None, float | None]:
         with self._lock:

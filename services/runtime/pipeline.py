@@ -26,6 +26,8 @@ from fastapi.responses import Response
 
 from services.runtime.body import RawRequest, media_type, query_params, read_body
 from services.runtime.codec import Timing
+from services.runtime.budget import Charge
+from services.runtime.cost import DryRunComplete, RequestCost
 from services.runtime.errors import ApiError, error_responses
 
 if TYPE_CHECKING:
@@ -108,25 +110,28 @@ class Pipeline:
         timing = Timing()
         if not ctx.ready or ctx.scheduler is None:
             raise ApiError(503, "not_ready", "the model is still loading", {"Retry-After": "5"})
+        scheduler = ctx.scheduler
         ticket = ctx.admission.admit()
+        charge = scheduler.cost.new_charge()
         try:
-            body = await read_body(request, ctx.settings.max_body_bytes)
+            body = await read_body(request, ctx.settings.max_body_bytes, lambda n: charge.hold(n, "the body"))
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.scope["headers"]}
             ctype = headers.get("content-type", "")
+            dry_run = is_dry_run(headers)
             raw = RawRequest(request.method, route.path, query_params(request), headers, media_type(ctype), ctype,
                              body)
-            t0 = time.perf_counter()
+            raw.cost = RequestCost(scheduler.cost, charge, len(body), dry_run=dry_run)
+            work = await self._decode(route, raw, timing)
+            if work is None:  # a dry run that the hook ended after its cost check
+                return self._respond(json_reply(self._dry_run_doc(raw, None)), timing, charge)
+            if raw.cost.estimate is None:  # a hook that stated no cost: what its items say
+                await ctx.cpu.run(lambda: raw.cost.check(
+                    items=len(work.items), item_pixels=[scheduler.cost.item_pixels(i) for i in work.items],
+                    dry_run_stops_here=False))
+            if dry_run:
+                return self._respond(json_reply(self._dry_run_doc(raw, work)), timing, charge)
             try:
-                work = await ctx.cpu.run(route.decode, raw)
-            finally:
-                dt = time.perf_counter() - t0
-                timing.add("decode", dt)
-                ctx.metrics.stage.labels(route.path, "decode").observe(dt)
-            if headers.get(DRY_RUN_HEADER, "").strip() in ("1", "true"):
-                ticket.release()
-                return self._respond(json_reply({"valid": True, "items": len(work.items)}), timing)
-            try:
-                results = await ctx.scheduler.submit(work.items, work.key, timing, request.receive, ticket)
+                results = await scheduler.submit(work.items, work.key, timing, request.receive, ticket)
             except asyncio.CancelledError:
                 if not ctx.draining:
                     raise
@@ -142,11 +147,58 @@ class Pipeline:
                 dt = time.perf_counter() - t1
                 timing.add("encode", dt)
                 ctx.metrics.stage.labels(route.path, "encode").observe(dt)
+            del work, results, raw, body
+            charge.hold(len(reply.body))  # only the answer is held now, until it is sent
+        except BaseException:
+            charge.close()
+            raise
         finally:
             ticket.release()
-        return self._respond(reply, timing)
+        return self._respond(reply, timing, charge)
+
+    async def _decode(self, route: ModelRoute, raw: RawRequest, timing: Timing) -> Work | None:
+        ctx = self.ctx
+        token = object()
+        ctx.scheduler.decoding_started(token)
+        t0 = time.perf_counter()
+        try:
+            return await ctx.cpu.run(route.decode, raw)
+        except DryRunComplete:
+            return None
+        finally:
+            ctx.scheduler.decoding_done(token)
+            dt = time.perf_counter() - t0
+            timing.add("decode", dt)
+            ctx.metrics.stage.labels(route.path, "decode").observe(dt)
 
     @staticmethod
-    def _respond(reply: Reply, timing: Timing) -> Response:
+    def _dry_run_doc(raw: RawRequest, work: Work | None) -> dict[str, Any]:
+        estimate = raw.cost.estimate
+        items = len(work.items) if work is not None else (estimate.items if estimate is not None else 0)
+        return {"valid": True, "items": items, "cost": None if estimate is None else estimate.as_dict()}
+
+    @staticmethod
+    def _respond(reply: Reply, timing: Timing, charge: Charge | None = None) -> Response:
         headers = {**reply.headers, "Server-Timing": timing.header()}
-        return Response(reply.body, status_code=reply.status, media_type=reply.media_type, headers=headers)
+        return HeldResponse(reply.body, status_code=reply.status, media_type=reply.media_type, headers=headers,
+                            charge=charge)
+
+
+def is_dry_run(headers: dict[str, str]) -> bool:
+    return headers.get(DRY_RUN_HEADER, "").strip().lower() in ("1", "true")
+
+
+class HeldResponse(Response):
+    """A response whose bytes stay charged to the memory ledger until they are sent (or the
+    connection is gone): an answer a client does not read still counts."""
+
+    def __init__(self, *args: Any, charge: Charge | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._charge = charge
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self._charge is not None:
+                self._charge.close()

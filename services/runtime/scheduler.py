@@ -17,59 +17,29 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
+from services.runtime import memory
 from services.runtime.admission import Ticket
 from services.runtime.backend import Backend, is_out_of_memory
+from services.runtime.batching import BatchPolicy, Decision
 from services.runtime.codec import Timing
+from services.runtime.cost import ServiceCost
 from services.runtime.errors import ApiError, ClientGone
 from services.runtime.fifo import FifoLock
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.settings import RuntimeSettings
+from services.runtime.warmup import measured_call
+from services.runtime.worker import GpuWorker, wait_disconnect
+
+__all__ = ["GpuWorker", "Job", "Scheduler", "wait_disconnect"]
+TRIM_AFTER_BYTES = 256 * 2**20   # a call this big hands its freed heap back to the kernel
 
 log = logging.getLogger("onecard.service")
-
-
-class GpuWorker:
-    """One thread for every model call; knows how long the current call has been running."""
-
-    def __init__(self):
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="onecard-gpu")
-        self._busy_since: float | None = None
-
-    async def run(self, fn: Callable, *args: Any, tracked: bool = True) -> Any:
-        """Run on the worker thread; `tracked` calls count towards a stuck worker (not loading)."""
-        loop = asyncio.get_running_loop()
-        if tracked:
-            return await loop.run_in_executor(self._pool, self._call, fn, args)
-        return await loop.run_in_executor(self._pool, fn, *args)
-
-    def _call(self, fn: Callable, args: tuple) -> Any:
-        self._busy_since = time.monotonic()
-        try:
-            return fn(*args)
-        finally:
-            self._busy_since = None
-
-    def busy_for(self) -> float:
-        since = self._busy_since
-        return 0.0 if since is None else time.monotonic() - since
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-async def wait_disconnect(receive: Callable) -> None:
-    """Returns when the client has gone. Only call once the body has been read."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 @dataclass(eq=False)
@@ -103,23 +73,35 @@ class Job:
 class _Entry:
     job: Job
     index: int
+    pixels: int = 0
 
 
 class Scheduler:
     def __init__(self, backend: Backend, settings: RuntimeSettings, metrics: ServiceMetrics,
-                 worker: GpuWorker | None = None):
+                 worker: GpuWorker | None = None, cost: ServiceCost | None = None):
         self.backend, self.settings, self.metrics = backend, settings, metrics
         self.worker = worker or GpuWorker()
         self.lock = FifoLock()
         self.max_batch = settings.max_batch_size if backend.supports_batching else 1
         self.batching = self.max_batch > 1
+        self.cost = cost or ServiceCost(backend, self.max_batch)
+        cap = None if settings.max_wait_ms is None else settings.max_wait_ms / 1000
+        self.policy = BatchPolicy(self.max_batch, cap) if self.batching and settings.batch_policy == "auto" else None
         self._pending: collections.deque[_Entry] = collections.deque()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.in_flight = 0
+        self._decoding: dict[object, float] = {}   # request token -> when its decode started
+        self._decode_s: float | None = None        # a decode's usual duration (EWMA)
+        self._free_since = time.perf_counter()     # when the model last freed up
+        self.last_decision: Decision | None = None
+        self.batches = 0
+        self.items_run = 0
+        self.waited_s = 0.0
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
+        self._free_since = time.perf_counter()
         self._loop_task = asyncio.get_running_loop().create_task(self._batch_loop(), name="onecard-batch-loop")
 
     async def stop(self) -> None:
@@ -142,15 +124,42 @@ class Scheduler:
     def pending_items(self) -> int:
         return len(self._pending)
 
+    # ---- what is coming (the pipeline reports decodes) ----------------------------------
+    def decoding_started(self, token: object) -> None:
+        self._decoding[token] = time.perf_counter()
+        self._wake.set()  # a batch being gathered may now want to wait for it
+
+    def decoding_done(self, token: object) -> None:
+        started = self._decoding.pop(token, None)
+        if started is not None:
+            took = time.perf_counter() - started
+            self._decode_s = took if self._decode_s is None else self._decode_s + 0.2 * (took - self._decode_s)
+        self._wake.set()
+
+    def _decoding_etas(self, now: float) -> list[float]:
+        usual = self._decode_s if self._decode_s is not None else 0.005
+        return [max(started + usual - now, 0.1 * usual) for started in self._decoding.values()]
+
+    def batching_stats(self) -> dict[str, Any]:
+        d = self.last_decision
+        return {"policy": self.settings.batch_policy if self.batching else "off", "max_batch_size": self.max_batch,
+                "max_wait_ms": self.settings.max_wait_ms, "batches": self.batches,
+                "mean_batch_size": round(self.items_run / self.batches, 3) if self.batches else None,
+                "waited_s": round(self.waited_s, 3), "last_decision": None if d is None else d.reason,
+                "cost": self.cost.snapshot()}
+
     # ---- the one entry point ----------------------------------------------------------
     async def submit(self, items: list[Any], key: Hashable, timing: Timing, receive: Callable | None,
                      ticket: Ticket | None = None) -> list[Any]:
         """Results for `items`, in order. Raises ApiError (504, 503) or ClientGone."""
         loop = asyncio.get_running_loop()
-        job = Job(items, key, timing.t0 + self.settings.request_timeout_s, time.perf_counter(),
+        now = time.perf_counter()
+        job = Job(items, key, timing.t0 + self.settings.request_timeout_s, now,
                   loop.create_future(), ticket, [None] * len(items), len(items))
-        for i in range(len(items)):
-            self._pending.append(_Entry(job, i))
+        for i, item in enumerate(items):
+            self._pending.append(_Entry(job, i, self.cost.item_pixels(item)))
+        if self.policy is not None:
+            self.policy.history.arrived(now, len(items), key)
         self._wake.set()
         gone = asyncio.ensure_future(wait_disconnect(receive)) if receive is not None else None
         try:
@@ -202,9 +211,7 @@ class Scheduler:
             timing.add("infer", job.infer_s)
 
     # ---- the batch loop ---------------------------------------------------------------
-    def _take_batch(self) -> list[_Entry]:
-        """The oldest live entry and the compatible ones behind it, in arrival order."""
-        now = time.perf_counter()
+    def _drop_dead_head(self, now: float) -> None:
         while self._pending:
             head = self._pending[0]
             if head.job.abandoned:
@@ -214,21 +221,41 @@ class Scheduler:
                 self._pending.popleft()
                 self._expire(head.job)
                 continue
-            break
+            return
+
+    def _take_batch(self) -> list[_Entry]:
+        """The oldest live entry and the compatible ones behind it, in arrival order, as many
+        as fit in one call's working memory (the head always goes: what could never fit was
+        refused at admission)."""
+        now = time.perf_counter()
+        self._drop_dead_head(now)
         if not self._pending:
             return []
         key = self._pending[0].job.key
         batch: list[_Entry] = []
+        pixels = 0
         rest: collections.deque[_Entry] = collections.deque()
         for entry in self._pending:
             job = entry.job
             if (len(batch) < self.max_batch and not job.abandoned and job.key == key
-                    and (job.started_at is not None or now <= job.deadline)):
+                    and (job.started_at is not None or now <= job.deadline)
+                    and (not batch or self.cost.call_fits(pixels + entry.pixels))):
                 batch.append(entry)
+                pixels += entry.pixels
             elif not job.abandoned:
                 rest.append(entry)
         self._pending = rest
         return batch
+
+    def _compatible_waiting(self) -> int:
+        key = self._pending[0].job.key
+        n = 0
+        for entry in self._pending:
+            if entry.job.key == key and not entry.job.abandoned:
+                n += 1
+                if n >= self.max_batch:
+                    break
+        return n
 
     def _expire(self, job: Job) -> None:
         if not job.future.done():
@@ -238,25 +265,60 @@ class Scheduler:
         self._abandon(job, "deadline")
 
     async def _batch_loop(self) -> None:
-        s = self.settings
         while True:
             while not self._pending:
                 self._wake.clear()
                 await self._wake.wait()
-            if s.max_wait_ms > 0 and self.batching:
-                fill_until = self._pending[0].job.enqueued + s.max_wait_ms / 1000
-                while len(self._pending) < self.max_batch:
-                    left = fill_until - time.perf_counter()
-                    if left <= 0:
-                        break
-                    self._wake.clear()
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), left)
-                    except asyncio.TimeoutError:
-                        break
+            if self.policy is not None:
+                await self._gather()
+            elif self.settings.max_wait_ms and self.batching:
+                await self._fill_window(self.settings.max_wait_ms / 1000)
             batch = self._take_batch()
             if batch:
                 await self._run(batch)
+
+    async def _fill_window(self, window: float) -> None:
+        """The fixed policy: wait until the head has waited `window` or the batch is full."""
+        fill_until = self._pending[0].job.enqueued + window
+        while len(self._pending) < self.max_batch:
+            left = fill_until - time.perf_counter()
+            if left <= 0:
+                break
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except asyncio.TimeoutError:
+                break
+
+    async def _gather(self) -> None:
+        """The auto policy: ask it, after every arrival or decode, whether to wait (batching.py)."""
+        assert self.policy is not None
+        while True:
+            now = time.perf_counter()
+            self._drop_dead_head(now)
+            if not self._pending:
+                return
+            head = self._pending[0]
+            ratio = self.cost.work_ratio([head.job.items[head.index]])
+            seconds = lambda n: self.cost.call_seconds(n, ratio)  # noqa: E731
+            waited = now - max(head.job.enqueued, self._free_since)
+            decision = self.policy.decide(now, self._compatible_waiting(), head.job.key, now - self._free_since,
+                                          waited, self._decoding_etas(now), seconds)
+            self.last_decision = decision
+            # never wait so long that the head's own deadline passes before its call ends
+            slack = head.job.deadline - now - (seconds(1) or 0.0)
+            wait = min(decision.wait_s, slack)
+            if wait <= 0:
+                return
+            self._wake.clear()
+            t0 = time.perf_counter()
+            try:
+                await asyncio.wait_for(self._wake.wait(), wait)
+            except asyncio.TimeoutError:
+                pass
+            took = time.perf_counter() - t0
+            self.waited_s += took
+            self.metrics.batch_wait.observe(took)
 
     async def _run(self, batch: list[_Entry]) -> None:
         await self.lock.acquire()
@@ -268,10 +330,15 @@ class Scheduler:
                     job.started_at = t0
                     if job.ticket is not None:
                         job.ticket.started()
-            results = await self._infer([e.job.items[e.index] for e in batch])
+            results = await self._infer([e.job.items[e.index] for e in batch], sum(e.pixels for e in batch))
         finally:
             self.lock.release()
+            self._free_since = time.perf_counter()
+            if self.policy is not None:
+                self.policy.history.model_freed(self._free_since)
         dt = time.perf_counter() - t0
+        self.batches += 1
+        self.items_run += len(batch)
         for entry, result in zip(batch, results):
             job = entry.job
             job.results[entry.index] = result
@@ -284,17 +351,24 @@ class Scheduler:
                 else:
                     job.future.set_result(job.results)
 
-    async def _infer(self, payloads: list[Any]) -> list[Any]:
-        """One model call; a failing batch is retried item by item so a bad item fails alone."""
+    async def _infer(self, payloads: list[Any], pixels: int = 0) -> list[Any]:
+        """One model call; a failing batch is retried item by item so a bad item fails alone.
+        A clean call (no failure, nobody stopped midway) teaches the cost model its time."""
         # One batch is on the model at a time (the batch loop awaits each), so this is a set.
         self.in_flight = len(payloads)
         self.metrics.in_flight.set(self.in_flight)
         self.metrics.batch_size.observe(len(payloads))
+        probe = getattr(self.cost, "probe", None)
         try:
             try:
-                results = await self.worker.run(self.backend.infer_batch, payloads)
+                results, seconds, peak = await self.worker.run(
+                    measured_call, self.backend.infer_batch, payloads, probe if probe is not None and probe.precise
+                    else None)
                 if len(results) != len(payloads):
                     raise RuntimeError(f"backend returned {len(results)} results for {len(payloads)} items")
+                if not any(isinstance(r, BaseException) or r is None for r in results) and not any(
+                        getattr(p, "cancel", None) is not None and p.cancel.is_set() for p in payloads):
+                    self.cost.observe_call(payloads, seconds, peak)
             except Exception as exc:  # noqa: BLE001
                 if len(payloads) == 1:
                     results = [exc]
@@ -302,6 +376,8 @@ class Scheduler:
                     if is_out_of_memory(exc):
                         self._free_memory(exc)
                     results = [await self._infer_alone(p) for p in payloads]
+            if self.cost.call_bytes(pixels) >= TRIM_AFTER_BYTES:
+                await self.worker.run(memory.trim_heap, tracked=False)
             return [self._out_of_memory(r) if isinstance(r, BaseException) and is_out_of_memory(r) else r
                     for r in results]
         finally:

@@ -288,7 +288,7 @@ def test_every_client_leaving_stops_the_batch_between_steps(diffusers_svc):
 
 
 def test_style_batches_requests_of_the_same_style_and_size(tmp_path):
-    settings = {"backend": "style", "max_side": 256, "max_batch_size": 4, "max_wait_ms": 300}
+    settings = {"backend": "style", "max_side": 256, "max_batch_size": 4, "batch_policy": "fixed", "max_wait_ms": 300}
     with ServiceProcess(APP, settings, tmp_path) as svc:
         src = encode(np.asarray(Image.fromarray(astronaut()).resize((256, 256))))
         solo = as_array(post(svc, "?style=5", body=src).content)

@@ -59,7 +59,7 @@ class Recorder(Backend):
 
 def scheduler(**settings) -> tuple[Scheduler, Recorder]:
     backend = Recorder()
-    cfg = RuntimeSettings(**{"max_batch_size": 3, **settings})
+    cfg = RuntimeSettings(**{"max_batch_size": 3, "batch_policy": "fixed", **settings})
     sched = Scheduler(backend, cfg, ServiceMetrics("t"))
     sched.start()
     return sched, backend
