@@ -43,6 +43,13 @@ OPEN_PATHS = PROBE_PATHS | {"/openapi.json", "/docs", "/docs/swagger-ui-bundle.j
 INSTANCE_HEADER = "X-Onecard-Instance"
 
 
+def cpu_pool_size(threads: int) -> int:
+    """More decode/encode threads than cores: one request's big picture then holds one thread
+    while the others serve small ones (the decoders release the GIL, so the kernel shares the
+    cores between them), and what they may hold together is bounded by the memory ledger."""
+    return min(32, max(4, 2 * threads))
+
+
 class ServiceContext:
     """What a service's routes and the runtime share."""
 
@@ -53,7 +60,7 @@ class ServiceContext:
         self.metrics = ServiceMetrics(name, ConnectionStats)
         self.admission = Admission(settings.max_queue, settings.retry_after_s)
         self.threads = planned_threads()
-        self.cpu = CpuPool(settings.cpu_workers or self.threads)
+        self.cpu = CpuPool(settings.cpu_workers or cpu_pool_size(self.threads))
         self.pipeline = Pipeline(self)
         self.scheduler: Scheduler | None = None
         self.ready = False

@@ -88,7 +88,8 @@ class RuntimeSettings(BaseModel):
 
     # ---- threads -----------------------------------------------------------------------
     cpu_workers: int | None = Field(None, ge=1, le=256,
-                                    description="threads for decode/encode; default: the service's planned threads")
+                                    description="threads for decode/encode; default: twice the service's planned threads, "
+                                                "at least 4 (one big picture must not hold the pool for everyone)")
 
     # ---- auth, device, identity ----------------------------------------------------------
     api_key: str | None = Field(None, description="require this key (Bearer or X-API-Key)", repr=False)

@@ -10,7 +10,9 @@ items, `cancellable=1` gives items a cancel event that the model checks every 50
 (like diffusion steps; stopped ids are recorded), `decode_sleep` holds the decode hook.
 
 Settings (besides the runtime's): batching (bool), warmup_sleep_s (each warm-up
-inference sleeps this long), fail_load (raise in load).
+inference sleeps this long), fail_load (raise in load), memory_per_pixel (the backend's
+stated memory floor: a model call is planned at this many bytes per pixel of its items;
+an item's pixels are its picture's).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from services.runtime.app import ServiceContext, create_service_app
 from services.runtime.backend import Backend
 from services.runtime.errors import ApiError
 from services.runtime.inputs import read_image_input
-from services.runtime.params import Bool, Float, Int, Params, Str, validate
+from services.runtime.params import Bool, Float, Int, Params, Str
 from services.runtime.pipeline import ModelRoute, Work, json_reply
 from services.runtime.settings import RuntimeSettings
 
@@ -47,6 +49,7 @@ class EchoItem:
     sleep: float
     mode: str
     cancel: threading.Event | None = None
+    pixels: int = 0
 
 
 @dataclass
@@ -73,6 +76,9 @@ class ScriptedBackend(Backend):
 
     def warmup_items(self) -> list[Any]:
         return [EchoItem("warmup", self.warmup_sleep_s, "")]
+
+    def item_pixels(self, item: EchoItem) -> int:
+        return item.pixels
 
     def infer_batch(self, items: list[EchoItem]) -> list[Any]:
         ids = [i.id for i in items]
@@ -116,18 +122,21 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
     batching = bool(settings.pop("batching", False))
     warmup_sleep_s = float(settings.pop("warmup_sleep_s", 0.0))
     fail_load = bool(settings.pop("fail_load", False))
+    memory_per_pixel = float(settings.pop("memory_per_pixel", 0.0))
     cfg = RuntimeSettings.model_validate(settings)
     backend = ScriptedBackend(batching, warmup_sleep_s, fail_load)
+    backend.memory_per_pixel = memory_per_pixel
 
     def decode(raw) -> Work:
-        got = read_image_input(raw, cfg)
-        p = validate(EchoParams, got.params)
+        got = read_image_input(raw, cfg, params=EchoParams)
+        p = got.params
         if p.mode == "boom":
             raise KeyError("unexpected")
         if p.decode_sleep:
             time.sleep(p.decode_sleep)
         items = [EchoItem(p.id if p.items == 1 else f"{p.id}.{n}", p.sleep, p.mode,
-                          threading.Event() if p.cancellable else None) for n in range(p.items)]
+                          threading.Event() if p.cancellable else None, got.image.width * got.image.height)
+                 for n in range(p.items)]
         return Work(items, p.key or None, got.image.width)
 
     def encode(work: Work, results: list[Any], raw) -> Any:

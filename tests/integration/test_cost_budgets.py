@@ -1,0 +1,105 @@
+"""What a request and a model call may cost, checked before anything is spent, in a real
+service process: calls formed to fit their working memory (a request's items split over
+several calls), 413 with the figures for what could never fit, nothing decoded for it,
+dry runs that read headers only and are counted apart, and a CPU pool that one request's
+long decode cannot hold for everyone."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import numpy as np
+
+from tests.images import encode, pixel_bomb_png, small_png
+from tests.service_harness import ServiceProcess
+
+APP = "tests.children.scripted_app:create_app"
+PNG = {"content-type": "image/png"}
+# small_png is 32 x 48 = 1536 pixels; at 1000 bytes a pixel (x1.25 planning margin) an item
+# needs 1.92 MB in a call: two fit in 4.8 MB, three do not
+BUDGETED = {"batching": True, "max_batch_size": 8, "memory_per_pixel": 1000, "max_call_memory_bytes": 4_800_000}
+
+
+def post(svc, params="", body=None, headers=PNG, timeout=60.0):
+    return httpx.post(f"{svc.url}/api/v1/echo{params}", content=small_png() if body is None else body,
+                      headers=headers, timeout=timeout)
+
+
+def seen(svc):
+    return httpx.get(svc.url + "/seen").json()
+
+
+def test_a_request_whose_items_do_not_fit_one_call_is_split_over_calls_in_order(tmp_path):
+    with ServiceProcess(APP, BUDGETED, tmp_path) as svc:
+        r = post(svc, "?id=m&items=5")
+        assert r.status_code == 200 and r.json()["id"] == [f"m.{n}" for n in range(5)]
+        assert seen(svc)["batches"] == [["m.0", "m.1"], ["m.2", "m.3"], ["m.4"]]
+        stats = httpx.get(svc.url + "/stats").json()["batching"]
+        assert stats["cost"]["budgets"]["batch_bytes"] == 4_800_000 and stats["batches"] == 3
+
+
+def test_concurrent_requests_are_batched_only_as_far_as_the_call_budget_allows(tmp_path):
+    settings = {**BUDGETED, "batch_policy": "fixed", "max_wait_ms": 300}
+    with ServiceProcess(APP, settings, tmp_path) as svc:
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            rs = list(pool.map(lambda i: post(svc, f"?id=r{i}&sleep=0.05"), range(6)))
+        assert [r.status_code for r in rs] == [200] * 6
+        assert max(len(b) for b in seen(svc)["batches"]) == 2
+
+
+def test_an_item_that_could_never_fit_a_call_is_413_before_decoding(tmp_path):
+    """A 3000x3000 PNG header (its data is garbage): 9 Mpx x 1000 B/px is over the 4.8 MB a
+    call may use. The answer is 413 with the figures; a 400 would mean it was decoded."""
+    with ServiceProcess(APP, BUDGETED, tmp_path) as svc:
+        r = post(svc, "?id=big", body=pixel_bomb_png(3000, 3000))
+        assert r.status_code == 413 and r.json()["error"]["code"] == "too_costly"
+        assert "9000000 pixels" in r.json()["error"]["message"] and "MiB" in r.json()["error"]["message"]
+        assert seen(svc)["seen"] == []
+        assert post(svc, "?id=ok").status_code == 200  # the service goes on
+
+
+def test_what_one_request_may_hold_is_bounded_and_said(tmp_path):
+    """A 2000x2000 picture would hold 12 MB decoded (and as much again as the model's item):
+    over a max_request_bytes of 8 MB, refused with 413 before it is decoded."""
+    with ServiceProcess(APP, {"max_request_bytes": 8 * 2**20, "batching": True}, tmp_path) as svc:
+        ok = post(svc, "?id=one", body=encode(np.zeros((100, 100, 3), np.uint8)))
+        assert ok.status_code == 200
+        one_big = post(svc, "?id=big", body=pixel_bomb_png(2000, 2000))   # 12 MB decoded: over 8 MB
+        assert one_big.status_code == 413 and one_big.json()["error"]["code"] == "too_costly"
+        assert "one request may hold 8.0 MiB" in one_big.json()["error"]["message"]
+
+
+def test_a_dry_run_reads_headers_only_and_is_counted_apart(tmp_path):
+    """A PNG whose header is fine but whose data is garbage: the real call decodes it and gets
+    400; the dry run never decodes, answers the cost, and moves neither served nor the
+    request counter."""
+    bomb = pixel_bomb_png(640, 480)
+    with ServiceProcess(APP, {"batching": True}, tmp_path) as svc:
+        real = post(svc, "?id=real", body=bomb)
+        assert real.status_code == 400 and real.json()["error"]["code"] == "corrupt_image"
+        before = httpx.get(svc.url + "/stats").json()
+        for _ in range(3):
+            ok = post(svc, "?id=dry", body=bomb, headers={**PNG, "X-Onecard-Dry-Run": "1"})
+            assert ok.status_code == 200 and ok.json()["valid"] is True
+        after = httpx.get(svc.url + "/stats").json()
+        assert after["served"] == before["served"] and after["dry_runs"] == before["dry_runs"] + 3
+        text = httpx.get(svc.url + "/metrics").text
+        assert 'onecard_dry_runs_total{route="/api/v1/echo",status="200"} 3.0' in text
+        assert 'onecard_requests_total{route="/api/v1/echo",status="200"}' not in text
+        assert seen(svc)["seen"] == []
+
+
+def test_one_request_holding_a_decode_thread_does_not_hold_everyone(tmp_path):
+    """A request whose decode takes 3 s is still decoding when a small request sent after it
+    has its answer: the CPU pool has more threads than one request can hold."""
+    with ServiceProcess(APP, {"batching": True}, tmp_path, threads=1) as svc:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            slow = pool.submit(post, svc, "?id=slow&decode_sleep=3")
+            time.sleep(0.3)
+            fast = pool.submit(post, svc, "?id=fast")
+            assert fast.result().status_code == 200
+            assert not slow.done()
+            assert slow.result().status_code == 200
+        assert seen(svc)["seen"] == ["fast", "slow"]
