@@ -33,6 +33,8 @@ OUTPUT_FORMATS = {"png": ("PNG", "image/png"), "jpeg": ("JPEG", "image/jpeg"), "
 MIME_TO_FORMAT = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg", "image/webp": "webp"}
 # our own pixel check runs first; PIL's must not raise a different error for the same thing
 Image.MAX_IMAGE_PIXELS = None
+# a caller's broken file is a 400, not a line in the service's log (a flood of them would be a log flood)
+cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
 _SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"BM")
 _REDUCED = {2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4, 8: cv2.IMREAD_REDUCED_COLOR_8}
 B64_CHUNK = 3 << 18      # base64 work in 768 kB slices: each holds the GIL for a few milliseconds only

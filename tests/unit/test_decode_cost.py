@@ -1,0 +1,163 @@
+"""What a decode may cost, bounded before the decoder runs, on real crafted files: PNG chunk
+bombs, RLE-compressed BMPs (which Pillow decodes in pure Python), header-only probes, EXIF
+orientation through OpenCV, MIME-wrapped base64, encoder limits and JSON answers."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image, ImageOps
+
+from services.runtime import formats
+from services.runtime.codec import (DecodeLimits, decode_base64, decode_image, encode_base64, encode_image,
+                                    probe_image)
+from services.runtime.errors import ApiError
+from services.runtime.pipeline import json_bytes, json_parts
+from tests.images import _chunk, astronaut, encode, pixel_bomb_png
+
+LIMITS = DecodeLimits(max_pixels=40_000_000, max_jpeg_scans=32, max_image_markers=512)
+
+
+def chunk_bomb_png(chunks: int, kind: bytes = b"tEXt") -> bytes:
+    """A 64x64 PNG with `chunks` empty ancillary chunks before its data."""
+    good = encode(np.zeros((64, 64, 3), np.uint8))
+    head, rest = good[:33], good[33:]                     # signature + IHDR, then the rest
+    return head + _chunk(kind, b"") * chunks + rest
+
+
+def rle8_bmp(width: int, height: int, filler_bytes: int) -> bytes:
+    """An RLE8 BMP whose pixel data is `filler_bytes` of absolute runs that never end the picture."""
+    palette = b"".join(struct.pack("<BBBB", i, i, i, 0) for i in range(256))
+    data = (b"\x00\x03abc\x00" * (filler_bytes // 6)) + b"\x00\x01"
+    offset = 14 + 40 + len(palette)
+    header = struct.pack("<2sIHHI", b"BM", offset + len(data), 0, 0, offset)
+    info = struct.pack("<IiiHHIIiiII", 40, width, height, 1, 8, 1, len(data), 2835, 2835, 256, 0)
+    return header + info + palette + data
+
+
+def test_a_png_with_a_million_empty_chunks_is_refused_by_the_walk_fast():
+    bomb = chunk_bomb_png(200_000)
+    with pytest.raises(ApiError) as err:
+        probe_image(bomb, LIMITS)
+    assert (err.value.status, err.value.code) == (413, "image_too_complex")
+    assert "PNG chunks: 513" in err.value.message  # the walk stopped at the first one over
+    assert probe_image(chunk_bomb_png(500), LIMITS).pixels == 64 * 64  # within the limit: fine
+
+
+def test_image_data_split_into_tiny_chunks_is_refused_but_real_splits_are_not():
+    img = np.random.default_rng(0).integers(0, 255, (300, 300, 3), dtype=np.uint8)
+    good = encode(img)
+    ihdr_end = 33
+    idat = b"".join(good[p + 8:p + 8 + struct.unpack(">I", good[p:p + 4])[0]]
+                    for p in _chunk_positions(good) if good[p + 4:p + 8] == b"IDAT")
+    tiny = b"".join(_chunk(b"IDAT", idat[i:i + 16]) for i in range(0, len(idat), 16))
+    bomb = good[:ihdr_end] + tiny + _chunk(b"IEND", b"")
+    with pytest.raises(ApiError) as err:
+        probe_image(bomb, LIMITS)
+    assert err.value.status == 413 and "under 256 bytes" in err.value.message
+    split = b"".join(_chunk(b"IDAT", idat[i:i + 8192]) for i in range(0, len(idat), 8192))
+    fine = good[:ihdr_end] + split + _chunk(b"IEND", b"")
+    assert (decode_image(fine, LIMITS).rgb == img).all()  # libpng's own 8 kB chunks: decoded exactly
+
+
+def _chunk_positions(png: bytes):
+    pos = 8
+    while pos + 8 <= len(png):
+        length = struct.unpack(">I", png[pos:pos + 4])[0]
+        yield pos
+        pos += 12 + length
+
+
+def test_an_rle_bmp_never_reaches_pillows_pure_python_decoder(monkeypatch):
+    """Pillow's RLE decoder is pure Python (20 MB of runs for 2 pixels took 7.5 s); such a
+    BMP is decoded by OpenCV's C decoder or refused, never handed to Pillow's."""
+    import PIL.BmpImagePlugin
+
+    class Trapped(BaseException):  # not an Exception: nothing on the way may turn it into a 400
+        pass
+
+    def trap(*args, **kwargs):
+        raise Trapped("Pillow's pure-Python RLE decoder ran")
+
+    monkeypatch.setattr(PIL.BmpImagePlugin.BmpRleDecoder, "decode", trap)
+    bomb = rle8_bmp(1, 2, 20_000_000)
+    assert formats.bmp_compression(bomb) == "RLE8"
+    try:
+        img = decode_image(bomb, LIMITS)
+        assert img.rgb.shape[:2] == (2, 1)
+    except ApiError as exc:   # OpenCV may call the runs corrupt: a 400, never a 5xx
+        assert exc.status == 400
+    small = rle8_bmp(64, 64, 600)
+    try:
+        decode_image(small, LIMITS)
+    except ApiError as exc:
+        assert exc.status == 400
+
+
+def test_every_exif_orientation_matches_pillows_reading():
+    rgb = np.random.default_rng(1).integers(0, 255, (30, 50, 3), dtype=np.uint8)
+    for orientation in range(1, 9):
+        im = Image.fromarray(rgb)
+        exif = im.getexif()
+        exif[0x0112] = orientation
+        for fmt in ("PNG", "JPEG"):
+            buf = io.BytesIO()
+            im.save(buf, fmt, exif=exif, **({"quality": 100} if fmt == "JPEG" else {}))
+            data = buf.getvalue()
+            want = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB")).astype(int)
+            got = decode_image(data, LIMITS)
+            assert got.rgb.shape == want.shape and (got.width, got.height) == (want.shape[1], want.shape[0])
+            assert np.abs(got.rgb.astype(int) - want).max() <= (0 if fmt == "PNG" else 8), (fmt, orientation)
+
+
+def test_the_probe_reads_size_and_cost_without_decoding():
+    bomb = pixel_bomb_png(6000, 6000)   # a real header, garbage data: decoding would fail
+    header = probe_image(bomb, LIMITS)
+    assert (header.format, header.width, header.height, header.pixels) == ("PNG", 6000, 6000, 36_000_000)
+    with pytest.raises(ApiError) as err:
+        decode_image(bomb, LIMITS)
+    assert err.value.status == 400
+
+
+def test_a_big_jpeg_is_decoded_at_reduced_scale_when_the_model_shrinks_it():
+    big = np.asarray(Image.fromarray(astronaut()).resize((2048, 2048)))
+    data = encode(big, "JPEG", quality=90)
+    full = decode_image(data, LIMITS)
+    reduced = decode_image(data, LIMITS, max_side=512)
+    assert full.rgb.shape == (2048, 2048, 3) and (full.width, full.scale) == (2048, 1.0)
+    assert reduced.rgb.shape == (512, 512, 3) and reduced.width == 2048 and reduced.scale == 0.25
+
+
+def test_base64_as_webui_clients_send_it_mime_wrapped_or_as_a_data_url():
+    data = bytes(range(256)) * 50
+    text = base64.b64encode(data).decode()
+    wrapped = "\r\n".join(text[i:i + 76] for i in range(0, len(text), 76))
+    assert decode_base64(wrapped, "x") == data
+    assert decode_base64("data:image/png;base64," + text, "x") == data
+    for bad in ("not base64!", text[:-1], text + "$"):
+        with pytest.raises(ApiError) as err:
+            decode_base64(bad, "x")
+        assert err.value.status == 400
+    big = bytes(np.random.default_rng(2).integers(0, 255, 3_000_000, dtype=np.uint8))
+    assert decode_base64(encode_base64(big), "x") == big
+
+
+def test_an_answer_the_encoder_cannot_write_is_refused_with_the_reason():
+    with pytest.raises(ApiError) as err:
+        encode_image(np.zeros((8, 16384, 3), np.uint8), "webp")
+    assert (err.value.status, err.value.code) == (422, "output_too_large") and "16383" in err.value.message
+    png, mime = encode_image(np.zeros((8, 16384, 3), np.uint8), "png")
+    assert mime == "image/png" and Image.open(io.BytesIO(png)).size == (16384, 8)
+
+
+def test_json_answers_splice_big_base64_and_stay_valid_json():
+    blob = encode_base64(bytes(200_000))
+    doc = {"images": [blob, "plain \u0000 \"quoted\" onecard-splice-0"], "n": 1.5, "nested": {"b": blob}}
+    parts = json_parts(doc)
+    assert len(parts) > 1 and json.loads(json_bytes(doc)) == json.loads(json.dumps(doc))
