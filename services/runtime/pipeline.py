@@ -30,6 +30,7 @@ from services.runtime.codec import Base64Text, Timing
 from services.runtime.budget import Charge
 from services.runtime.cost import DryRunComplete, RequestCost
 from services.runtime.errors import ApiError, error_responses
+from services.runtime.threads import lower_priority
 
 if TYPE_CHECKING:
     from services.runtime.app import ServiceContext
@@ -42,7 +43,8 @@ class CpuPool:
 
     def __init__(self, threads: int):
         self.threads = threads
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="onecard-cpu")
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="onecard-cpu",
+                                                           initializer=lower_priority)
 
     async def run(self, fn: Callable, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

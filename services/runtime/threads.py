@@ -67,3 +67,20 @@ def ort_run_options():
     opts = ort.RunOptions()
     opts.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
     return opts
+
+
+WORKER_NICENESS = 10  # decode/encode and model threads yield the CPU to the event loop and the probes
+
+
+def lower_priority(increment: int = WORKER_NICENESS) -> None:
+    """Run the calling thread at a lower priority (Linux nice is per thread). On a small
+    machine busy decoding, the event loop that answers /healthz and moves bytes then gets a
+    core when it needs one, instead of queueing behind the work; the work still gets every
+    core the loop does not need. Threads the caller starts later (a model's own pools)
+    inherit it. Raising one's own niceness needs no privilege; failure changes nothing."""
+    try:
+        import threading
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+    except (AttributeError, OSError):
+        pass

@@ -7,12 +7,15 @@ import concurrent.futures
 import time
 from typing import Any, Callable
 
+from services.runtime.threads import lower_priority
+
 
 class GpuWorker:
     """One thread for every model call; knows how long the current call has been running."""
 
     def __init__(self):
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="onecard-gpu")
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="onecard-gpu",
+                                                           initializer=lower_priority)
         self._busy_since: float | None = None
 
     async def run(self, fn: Callable, *args: Any, tracked: bool = True) -> Any:

@@ -251,3 +251,27 @@ def test_an_out_of_memory_batch_logs_the_error_and_frees_memory_once_before_the_
         freed = run(main())
     assert freed == 1
     assert [r.getMessage() for r in caplog.records] == ["GPU out of memory: CUDA out of memory. Tried to allocate 1 GiB"]
+
+
+def test_decode_encode_and_model_threads_yield_the_cpu_to_the_event_loop():
+    """On a small machine busy decoding, the loop that answers /healthz must get a core when it
+    needs one: the CPU pool's threads and the model's thread run at a lower priority (a higher
+    nice value) than the thread that runs the event loop."""
+    import os
+    import threading
+
+    from services.runtime.pipeline import CpuPool
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    async def main():
+        pool, worker = CpuPool(2), GpuWorker()
+        try:
+            return nice(), await pool.run(nice), await worker.run(nice)
+        finally:
+            pool.shutdown()
+            worker.shutdown()
+
+    loop_nice, cpu_nice, model_nice = asyncio.run(main())
+    assert cpu_nice > loop_nice and model_nice > loop_nice
