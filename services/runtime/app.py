@@ -121,6 +121,8 @@ class ServiceContext:
         if mem is not None:
             self.metrics.gpu_memory.set(mem)
         self.metrics.queue_depth.set(self.admission.waiting)
+        if self.scheduler is not None:
+            self.metrics.observe_cost(self.scheduler.cost)
         return self.metrics.exposition()
 
 

@@ -58,6 +58,15 @@ class ServiceMetrics:
         self.batch_wait = Histogram("onecard_batch_wait_seconds",
                                     "Time the batch loop waited for more items before a model call (auto policy).",
                                     buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2), registry=r)
+        self.batch_cost = Gauge("onecard_batch_cost_seconds",
+                                "The learned time of one model call by batch size (per unit of the warm-up item's work).",
+                                ["batch_size"], registry=r)
+        self.memory_budget = Gauge("onecard_memory_budget_bytes",
+                                   "The service's memory budgets: service, call (one model call), held (admitted "
+                                   "requests together), request (one request).", ["budget"], registry=r)
+        self.memory_held = Gauge("onecard_memory_held_bytes", "Memory admitted requests hold now.", registry=r)
+        self.memory_refused = Gauge("onecard_memory_refused", "Requests refused (503) because admitted requests held "
+                                    "the memory they needed.", registry=r)
         self.queue_depth = Gauge("onecard_queue_depth", "Admitted requests not yet on the model.", registry=r)
         self.in_flight = Gauge("onecard_in_flight", "Items on the model now.", registry=r)
         self.gpu_memory = Gauge("onecard_gpu_memory_bytes", "GPU memory this service holds (self-reported).",
@@ -93,6 +102,19 @@ class ServiceMetrics:
         self.dry_run.labels(route, str(status)).inc()
         with self._lock:
             self.dry_runs += 1
+
+    def observe_cost(self, cost) -> None:
+        """The cost model's figures (services.runtime.cost.ServiceCost), at each scrape."""
+        for size, ms in cost.curve.snapshot()["ms_by_batch_size"].items():
+            self.batch_cost.labels(size).set(ms / 1000)
+        budgets = cost.budgets
+        if budgets is not None:
+            for name, value in (("service", budgets.service_bytes), ("call", budgets.batch_bytes),
+                                ("held", budgets.held_bytes), ("request", budgets.request_bytes)):
+                self.memory_budget.labels(name).set(value)
+        if cost.held is not None:
+            self.memory_held.set(cost.held.used)
+            self.memory_refused.set(cost.held.refused)
 
     def latency_percentiles(self) -> tuple[float | None, float | None]:
         with self._lock:

@@ -103,3 +103,19 @@ def test_one_request_holding_a_decode_thread_does_not_hold_everyone(tmp_path):
             assert not slow.done()
             assert slow.result().status_code == 200
         assert seen(svc)["seen"] == ["fast", "slow"]
+
+
+def test_the_cost_model_and_the_budgets_are_in_stats_info_and_metrics(tmp_path):
+    with ServiceProcess(APP, BUDGETED, tmp_path) as svc:
+        assert post(svc, "?id=a&items=3").status_code == 200
+        stats = httpx.get(svc.url + "/stats").json()["batching"]
+        assert stats["policy"] == "auto" and stats["batches"] == 2 and stats["mean_batch_size"] == 1.5
+        curve = stats["cost"]["time"]
+        assert set(curve["ms_by_batch_size"]) >= {"1", "2", "4", "8"}  # measured at warm-up
+        assert stats["cost"]["memory"]["per_pixel_bytes"] >= 1000 and stats["cost"]["held_bytes"] == 0
+        info = httpx.get(svc.url + "/info").json()
+        assert info["batch_policy"] == "auto" and info["memory_budgets"]["batch_bytes"] == 4_800_000
+        text = httpx.get(svc.url + "/metrics").text
+        assert 'onecard_batch_cost_seconds{batch_size="8"}' in text
+        assert 'onecard_memory_budget_bytes{budget="call"} 4.8e+06' in text
+        assert "onecard_memory_held_bytes 0.0" in text and "onecard_batch_wait_seconds_count" in text
