@@ -94,11 +94,12 @@ class HeldMemory:
         self.refused = 0
         self._lock = threading.Lock()
 
-    def resize(self, charge: "Charge", new_bytes: int, what: str) -> None:
-        """Move one request's holding to `new_bytes`; raises 503 when the others leave no room."""
+    def resize(self, charge: "Charge", new_bytes: int, what: str, force: bool = False) -> None:
+        """Move one request's holding to `new_bytes`; raises 503 when the others leave no room
+        (unless `force`: what is already there is counted, never refused)."""
         with self._lock:
             grow = new_bytes - charge.bytes
-            if grow > 0 and self.used + grow > self.limit:
+            if grow > 0 and not force and self.used + grow > self.limit:
                 self.refused += 1
                 raise ApiError(503, "memory_busy",
                                f"{what}: needs {mib(new_bytes)} while requests in progress hold "
@@ -128,6 +129,11 @@ class Charge:
     def hold(self, new_bytes: int, what: str = "this request") -> None:
         if self.ledger is not None and not self.closed:
             self.ledger.resize(self, max(0, int(new_bytes)), what)
+
+    def account(self, new_bytes: int) -> None:
+        """Count what the request holds now (its answer, already made): never a refusal."""
+        if self.ledger is not None and not self.closed:
+            self.ledger.resize(self, max(0, int(new_bytes)), "", force=True)
 
     def close(self) -> None:
         if not self.closed:

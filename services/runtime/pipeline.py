@@ -191,7 +191,7 @@ class Pipeline:
                 timing.add("encode", dt)
                 ctx.metrics.stage.labels(route.path, "encode").observe(dt)
             del work, results, raw, body
-            charge.hold(reply_size(reply))  # only the answer is held now, until it is sent
+            charge.account(reply_size(reply))  # only the answer is held now, until it is sent
         except BaseException:
             charge.close()
             raise
