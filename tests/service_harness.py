@@ -18,7 +18,7 @@ from tests.harness import ROOT, free_port
 
 class ServiceProcess:
     def __init__(self, app: str, settings: dict[str, Any], tmp: Path, threads: int = 1, env: dict | None = None,
-                 soft_nofile: int | None = None):
+                 soft_nofile: int | None = None, wrap=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"service-{self.port}.log"
@@ -37,6 +37,7 @@ class ServiceProcess:
                     **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.soft_nofile = soft_nofile
+        self.wrap = wrap  # argv -> argv: starts the service through something (a cgroup, a namespace)
 
     def __enter__(self) -> "ServiceProcess":
         self._log = open(self.log_path, "wb")
@@ -46,7 +47,8 @@ class ServiceProcess:
                 resource.setrlimit(resource.RLIMIT_NOFILE,
                                    (self.soft_nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.runtime.serve"], cwd=ROOT, env=self.env,
+        argv = [sys.executable, "-m", "services.runtime.serve"]
+        self.proc = subprocess.Popen(self.wrap(argv) if self.wrap else argv, cwd=ROOT, env=self.env,
                                      stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
                                      preexec_fn=lower_nofile)
         try:
