@@ -40,7 +40,8 @@ from services.runtime.codec import ALLOWED_FORMATS, decode_image
 from services.runtime.errors import ApiError
 from services.runtime.image_limits import check_encodable
 from services.runtime.inputs import decode_limits
-from services.runtime.params import Bool, Float, Params, Str, inline_schema, validate
+from services.img2img.webui_models import Bool, Float
+from services.runtime.params import Params, Str, inline_schema, validate
 from services.runtime.pipeline import ModelRoute, Reply, Work, json_reply
 
 UPSCALER_NAMES = ("None", "Lanczos", "Nearest")
@@ -110,6 +111,8 @@ def _header(data: bytes, name: str, max_markers: int) -> tuple[int, int, str]:
         except Exception:  # noqa: BLE001 - as the decoder: a broken EXIF block does not turn a picture
             turned = False
     except UnidentifiedImageError:
+        if data.startswith((b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"BM")) or data[:4] == b"RIFF":
+            raise ApiError(400, "corrupt_image", f"{name}: the image header is corrupt") from None
         raise ApiError(415, "unsupported_image", f"{name}: not an image in one of {', '.join(ALLOWED_FORMATS)}") \
             from None
     except Exception as exc:  # noqa: BLE001 - a broken header is the caller's data

@@ -10,12 +10,30 @@ default.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import ConfigDict, Field
+from pydantic import BeforeValidator, ConfigDict, Field
 
 from services.img2img.params import MAX_SEED
-from services.runtime.params import Bool, Float, Int, Params, Str
+from services.runtime.params import Params, Str, Text, _boolean, _integer, _number
+
+
+def _as_text(value: Any) -> Any:
+    """The webui's API model coerces "12" to 12 and 1 to true (the Photoshop plug-in sends its
+    seed as a string): a JSON string is read as text is read from a query string. Still
+    finite, in range, and a whole number where one is expected."""
+    return Text(value) if type(value) is str else value
+
+
+def _lax_bool(value: Any) -> Any:
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    return _boolean(_as_text(value))
+
+
+Int = Annotated[int, BeforeValidator(lambda v: _integer(_as_text(v)))]
+Float = Annotated[float, BeforeValidator(lambda v: _number(_as_text(v))), Field(allow_inf_nan=False)]
+Bool = Annotated[bool, BeforeValidator(_lax_bool)]
 
 
 class WebuiBase(Params):
