@@ -129,9 +129,10 @@ def test_pictures_far_from_square_are_answered_at_their_size(svc):
                        timeout=120)
         assert r.status_code == 200, (size, r.text)
         assert Image.open(io.BytesIO(r.content)).size == size
-    tall = b64(picture(100, 1000))
-    for width, height, mode in ((8, 8192, 0), (8192, 8, 2), (8192, 8, 1), (8, 8192, 2)):
-        r = post(svc, "/sdapi/v1/img2img", {"init_images": [tall], "width": width, "height": height,
+    tall, thinner = b64(picture(100, 1000)), b64(picture(32, 2000))  # filled into 8192x8: a 0 px wide picture
+    for src, width, height, mode in ((tall, 8, 8192, 0), (tall, 8192, 8, 2), (tall, 8192, 8, 1), (tall, 8, 8192, 2),
+                                     (thinner, 8192, 8, 2)):
+        r = post(svc, "/sdapi/v1/img2img", {"init_images": [src], "width": width, "height": height,
                                             "resize_mode": mode, "steps": 2})
         assert r.status_code == 200, (width, height, mode, r.text)
         assert Image.open(io.BytesIO(base64.b64decode(r.json()["images"][0]))).size == (width, height)
@@ -148,8 +149,9 @@ def test_sizes_over_an_encoders_limit_are_refused_before_the_model_runs(svc):
                    timeout=60)
     assert r.status_code == 422 and r.json()["error"]["code"] == "output_too_large"
     assert "17000x64" in r.json()["error"]["message"] and "16383" in r.json()["error"]["message"]
-    r = httpx.post(svc.url + "/api/v1/img2img?format=jpeg", content=base64.b64decode(b64(Image.new("RGB", (66000, 32)))),
-                   headers={"content-type": "image/png"}, timeout=60)
+    wider = base64.b64decode(b64(Image.new("RGB", (66000, 32))))
+    r = httpx.post(svc.url + "/api/v1/img2img?format=jpeg", content=wider, headers={"content-type": "image/png"},
+                   timeout=60)
     assert r.status_code == 422 and "65500" in r.json()["error"]["message"]
     src = b64(picture(64, 64))
     r = post(svc, "/sdapi/v1/img2img", {"init_images": [src], "width": 8192, "height": 8, "steps": 2,
@@ -241,3 +243,35 @@ def test_numbers_as_the_webui_coerces_them(svc):
                 {"seed": "9" * 5000}, {"include_init_images": 2}, {"width": "wide"}):
         r = post(svc, "/sdapi/v1/img2img", {"init_images": [src], **bad})
         assert_webui_error(r, 422, "invalid_parameter", next(iter(bad)))
+
+
+def test_a_request_that_names_no_sampler_runs_euler_and_the_listings_say_what_the_infotext_says(svc):
+    """The webui's default sampler is Euler (its sampler_index default); on diffusers it was
+    the model directory's scheduler (DDIM here). Whatever the backend, the sampler and the
+    schedule an answer reports are in the listings (the style backend's were empty)."""
+    samplers = {s["name"] for s in httpx.get(svc.url + "/sdapi/v1/samplers").json()}
+    schedules = {s["label"] for s in httpx.get(svc.url + "/sdapi/v1/schedulers").json()}
+    r = post(svc, "/sdapi/v1/img2img", {"init_images": [b64(picture(64, 64))], "width": 64, "height": 64, "steps": 2})
+    info = json.loads(r.json()["info"])
+    assert info["sampler_name"] == "Euler" and "Sampler: Euler," in info["infotexts"][0]
+    assert info["sampler_name"] in samplers
+    schedule = next((p.split(": ")[1] for p in info["infotexts"][0].split(", ") if p.startswith("Schedule type")),
+                    "Automatic")
+    assert schedule in schedules
+    for name, expected in (("k_euler_a", "Euler a"), ("DPM++ 2M Karras", "DPM++ 2M")):  # aliases, as the webui
+        body = {"init_images": [b64(picture(64, 64))], "width": 64, "height": 64, "steps": 2, "sampler_name": name}
+        assert json.loads(post(svc, "/sdapi/v1/img2img", body).json()["info"])["sampler_name"] == expected
+
+
+def test_infotext_fills_what_the_body_leaves_out(svc):
+    text = "a red barn\nNegative prompt: fog\nSteps: 3, Sampler: DDIM, CFG scale: 4.5, Seed: 77, Size: 64x48, " \
+           "Denoising strength: 0.5"
+    r = post(svc, "/sdapi/v1/img2img", {"init_images": [b64(picture(64, 48))], "infotext": text, "steps": 2})
+    assert r.status_code == 200, r.text
+    info = json.loads(r.json()["info"])
+    assert (info["prompt"], info["negative_prompt"], info["seed"], info["cfg_scale"]) == ("a red barn", "fog", 77, 4.5)
+    assert (info["steps"], info["width"], info["height"], info["denoising_strength"]) == (2, 64, 48, 0.5)  # body wins
+    assert info["sampler_name"] == "DDIM"
+    r = post(svc, "/sdapi/v1/img2img", {"init_images": [b64(picture(64, 48))],
+                                        "infotext": "p\nSteps: x, Seed: 1, Size: 8x8"})
+    assert_webui_error(r, 422, "invalid_parameter", "infotext", "Steps")

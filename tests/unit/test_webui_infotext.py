@@ -36,6 +36,7 @@ def test_a_long_line_without_a_colon_is_parsed_in_linear_time():
     skips a run that does not end at a colon whole."""
     line = "a" * 200_000
     assert it._pairs(line) == []
+    assert it.parse("a prompt\n" + line)["Prompt"] == "a prompt\n" + line  # the last line is where it looks
     assert it.parse(("word " * 40_000) + "\nSteps: 2, Seed: 3, Size: 8x8")["Steps"] == "2"
 
 
