@@ -6,8 +6,9 @@ Both are pipeline routes: admission, deadlines, metrics and the dry run hold for
 png-info reads a picture's header and metadata only, never its pixels. An upscale's
 items take their turn in the queue (as the webui runs extras under its queue lock) but
 cost the model nothing; the resize and the encoding happen in the encode hook, in the
-CPU pool. Output sizes are known from the headers, so the pixel budget and the format's
-limits are checked before any picture is decoded.
+CPU pool, where the pictures are decoded (once: a dry run reads only their headers).
+Output sizes are known from the headers, so the pixel budget and the format's limits are
+checked before any picture is decoded.
 
 An upscale follows the webui's: by ``upscaling_resize`` (resize_mode 0) or to
 ``upscaling_resize_w x _h`` (1: the factor that covers both, then a centred crop when
@@ -117,6 +118,8 @@ def _header(data: bytes, name: str, max_markers: int) -> tuple[int, int, str]:
             from None
     except Exception as exc:  # noqa: BLE001 - a broken header is the caller's data
         raise ApiError(400, "corrupt_image", f"{name}: cannot read the image header: {exc}") from None
+    if width <= 0 or height <= 0:
+        raise ApiError(400, "corrupt_image", f"{name}: the image has no pixels")
     return (height, width, im.format or "") if turned else (width, height, im.format or "")
 
 
@@ -253,24 +256,23 @@ class ExtrasRoutes:
         return self._work(req, self._plan(req, pictures), single=False)
 
     def _work(self, req: _ExtrasBase, plan: dict[str, Any], single: bool) -> Work:
-        limits = decode_limits(self.r.cfg)
-        pictures = []
-        for name, data, source_format, up in plan["plans"]:
-            parameters = None
-            if source_format == "PNG":  # the webui keeps a picture's infotext through its extras
-                parameters = webui_infotext.open_metadata(data, ("PNG",)).info.get("parameters")
-            pictures.append((Image.fromarray(decode_image(data, limits).rgb), up, parameters))
-        return Work([PassthroughItem()], PassthroughItem.key, {"pictures": pictures, "format": plan["format"],
+        """The pictures stay encoded until the encode hook: nothing waits in the queue at full
+        size, and a dry run stops after the headers."""
+        return Work([PassthroughItem()], PassthroughItem.key, {"plans": plan["plans"], "format": plan["format"],
                                                                "single": single})
 
     def encode_extras(self, work: Work, results: list[Any], raw: RawRequest) -> Reply:
         opts = self.state.options
         state = work.state
+        limits = decode_limits(self.r.cfg)
         images, text = [], ""
-        for img, up, parameters in state["pictures"]:
-            out = up.apply(img)
+        for name, data, source_format, up in state["plans"]:
+            parameters = None
+            if source_format == "PNG" and opts.get("enable_pnginfo", True):  # the webui keeps a picture's infotext
+                parameters = webui_infotext.open_metadata(data, ("PNG",)).info.get("parameters")
+            out = up.apply(Image.fromarray(decode_image(data, limits).rgb))
             text = up.infotext()
-            keep = parameters if isinstance(parameters, str) and opts.get("enable_pnginfo", True) else None
+            keep = parameters if isinstance(parameters, str) else None
             images.append(_encode_extras(out, state["format"], opts.get("jpeg_quality", 80), keep, text))
         html_info = "<p>" + "<br>\n".join(html.escape(line) for line in text.split("\n")) + "</p>"
         if state["single"]:

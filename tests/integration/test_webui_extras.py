@@ -195,6 +195,12 @@ def test_extras_limits_are_known_before_any_picture_is_decoded(svc):
     finally:
         post(svc, "/sdapi/v1/options", {"samples_format": "png"})
     assert httpx.get(svc.url + "/stats").json()["served"] == served + 1
+    # a header that reads well over pixels that do not: found when the pixels are decoded, still a 400
+    good = base64.b64decode(src)
+    idat = good.index(b"IDAT")
+    broken = good[:idat + 40]  # cut inside its pixel data
+    assert_webui_error(post(svc, "/sdapi/v1/extra-single-image", {"image": base64.b64encode(broken).decode(),
+                                                                  "upscaler_1": "Lanczos"}), 400, "corrupt_image")
     # a dry run reads the headers and the limits, then stops
     r = post(svc, "/sdapi/v1/extra-single-image", {"image": src, "upscaler_1": "Lanczos"},
              headers={"X-Onecard-Dry-Run": "1"})
