@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import threading
 import time
 from typing import Any, Callable
@@ -11,6 +13,7 @@ import numpy as np
 from PIL import Image
 
 APP = "services.img2img.app:create_app"
+ERROR_KEYS = {"error", "detail", "body", "errors"}  # the webui's error shape
 
 
 # On the CPU even where a GPU is: these tests are about the API, and compare pixels of
@@ -96,3 +99,19 @@ class ProgressWatcher:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(10)
+
+
+def b64(img: Image.Image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    img.save(buf, fmt)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def assert_webui_error(r: httpx.Response, status: int, code: str, *in_detail: str) -> dict:
+    """`r` is the webui's error shape with this status and code, its detail naming each of `in_detail`."""
+    assert r.status_code == status, r.text
+    doc = r.json()
+    assert set(doc) == ERROR_KEYS and doc["error"] == code, doc
+    for text in in_detail:
+        assert text in doc["detail"], doc
+    return doc

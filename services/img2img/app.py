@@ -22,8 +22,9 @@ from services.img2img.progress import Progress
 from services.img2img.settings import Img2ImgSettings
 from services.runtime.app import ServiceContext, create_service_app
 from services.runtime.body import RawRequest
-from services.runtime.codec import check_encodable, choose_format, decode_image, encode_base64, encode_image
+from services.runtime.codec import choose_format, decode_image, encode_base64, encode_image
 from services.runtime.errors import ApiError
+from services.runtime.image_limits import check_encodable
 from services.runtime.inputs import ProbedInput, decode_limits, read_image_input
 from services.runtime.params import Params, inline_schema, query_parameters
 from services.runtime.pipeline import ModelRoute, Reply, Work, json_reply
@@ -97,8 +98,10 @@ class Img2ImgRoutes:
         p, h = probed.params, probed.header
         self.check_prompts(p.prompt, p.negative_prompt)
         self.check_size(h.width, h.height)
+        for name, extra in probed.extra_headers.items():
+            self.check_size(extra.width, extra.height, name)
         fmt = choose_format(p.format, raw.headers.get("accept", ""), self.cfg.default_format)
-        check_encodable(h.width, h.height, fmt)
+        check_encodable(h.width, h.height, fmt, f"the answer (the picture's own size) in {fmt!r}")
         raw.cost.check(items=1, item_pixels=self.model_pixels(h.width, h.height), input_pixels=probed.input_pixels,
                        output_pixels=h.pixels, base64_output=p.response_format == "json"
                        or raw.headers.get("accept", "").startswith("application/json"))
@@ -113,11 +116,11 @@ class Img2ImgRoutes:
             style = decode_image(got.extra_images["style_image"], decode_limits(self.cfg), 512)
             self.check_size(style.width, style.height, "style_image")
             style_rgb = style.rgb
+        fmt = choose_format(p.format, raw.headers.get("accept", ""), self.cfg.default_format)
         item = Img2ImgItem(Image.fromarray(img.rgb), p.prompt, p.negative_prompt, p.strength, self.steps(p.steps),
                            p.guidance_scale, resolve_seed(p.seed), (img.width, img.height),
                            style_weights=parse_style(p.style), style_rgb=style_rgb, job=uuid.uuid4().hex[:12])
         self.prepare(item)
-        fmt = choose_format(p.format, raw.headers.get("accept", ""), self.cfg.default_format)
         wants_json = p.response_format == "json" or raw.headers.get("accept", "").startswith("application/json")
         return Work([item], item.key, {"format": fmt, "quality": p.quality, "json": wants_json})
 

@@ -111,5 +111,18 @@ class Img2ImgItem:
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
+PASSTHROUGH = ("passthrough",)
+
+
+@dataclass(eq=False)
+class PassthroughItem:
+    """Work that needs no model (the webui's model-free upscalers, run in the encode hook):
+    it still takes its turn in the queue, as in the webui, so that admission, deadlines and
+    the dry run hold for it; the backend answers it None without a model call."""
+    key: Hashable = PASSTHROUGH
+    job: str = ""
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
 class Cancelled(Exception):
     """The generation stopped between steps: its client left, its deadline passed, or it was interrupted."""

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from services.img2img.params import Cancelled, Img2ImgItem
+from services.img2img.params import PASSTHROUGH, Cancelled, Img2ImgItem
 from services.img2img.progress import LatentPreview, Progress
 from services.img2img.settings import Img2ImgSettings
 from services.img2img.style import fit
@@ -111,8 +111,8 @@ class DiffusersBackend(Backend):
         if item.mask is not None:
             item.mask = item.mask.resize(size, Image.LANCZOS)
         kind = "txt2img" if item.image is None else ("inpaint" if item.mask is not None else "img2img")
-        if kind != "txt2img" and item.strength == 0.0:
-            kind = "identity"
+        if kind != "txt2img" and int(item.steps * item.strength) < 1:
+            kind = "identity"  # not one denoising step runs (diffusers would fail on an empty schedule)
         item.sampler = self.scheduler_key(item.sampler)
         item.key = (kind, size, item.steps, round(item.strength, 6), round(item.guidance_scale, 6), item.sampler)
 
@@ -135,6 +135,8 @@ class DiffusersBackend(Backend):
 
     # ---- GPU worker -------------------------------------------------------------------
     def infer_batch(self, items: list[Img2ImgItem]) -> list[Any]:
+        if items and items[0].key == PASSTHROUGH:
+            return [None] * len(items)
         import torch
         first = items[0]
         kind, size = first.key[0], first.key[1]

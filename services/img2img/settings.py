@@ -26,6 +26,15 @@ class Img2ImgSettings(RuntimeSettings):
     max_steps: int = Field(100, ge=1, le=1000)
     max_prompt_chars: int = Field(2000, ge=1, le=100_000)
     max_images: int = Field(16, ge=1, le=256, description="webui: batch_size x n_iter per request at most")
+    max_option_keys: int = Field(256, ge=0, le=100_000,
+                                 description="webui settings this service does not use, kept at most (413 beyond)")
+    max_option_value_bytes: int = Field(64 * 1024, ge=16, le=2**30,
+                                        description="webui: one such setting's JSON size at most (413 beyond)")
+    max_options_bytes: int = Field(2**20, ge=4096, le=2**30,
+                                   description="webui: the whole settings document's JSON size at most, and the "
+                                               "largest POST /sdapi/v1/options body (413 beyond)")
+    max_info_chars: int = Field(2**20, ge=1024, le=2**30,
+                                description="webui png-info: metadata text answered at most (longer text is cut)")
     default_format: Literal["png", "jpeg", "webp"] = Field("png", description="output format when the client names none")
 
     @model_validator(mode="after")

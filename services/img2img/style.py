@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from services.img2img.params import Img2ImgItem
+from services.img2img.params import PASSTHROUGH, Img2ImgItem
 from services.img2img.progress import Progress
 from services.img2img.settings import Img2ImgSettings
 from services.runtime.backend import Backend
@@ -22,19 +22,27 @@ from services.runtime.gpu import check_session_device, ort_providers
 from services.runtime.threads import ort_run_options, ort_session_options, planned_threads
 
 
-def fit(img: Image.Image, max_side: int, multiple: int) -> Image.Image:
-    """Resize so the long side is at most max_side and both sides are multiples of `multiple`."""
-    w, h = img.size
-    scale = min(1.0, max_side / max(w, h))
-    nw = max(multiple, int(round(w * scale / multiple)) * multiple)
-    nh = max(multiple, int(round(h * scale / multiple)) * multiple)
-    return img if (nw, nh) == (w, h) else img.resize((nw, nh), Image.LANCZOS)
+def fit_size(width: int, height: int, max_side: int, multiple: int, minimum: int = 0) -> tuple[int, int]:
+    """The size `fit` gives: the long side at most max_side, both sides multiples of
+    `multiple` and at least `minimum` (a very long, thin picture is widened to what the
+    model takes, rather than shrunk below it)."""
+    scale = min(1.0, max_side / max(width, height))
+    low = max(multiple, -(-minimum // multiple) * multiple)
+    return (max(low, int(round(width * scale / multiple)) * multiple),
+            max(low, int(round(height * scale / multiple)) * multiple))
+
+
+def fit(img: Image.Image, max_side: int, multiple: int, minimum: int = 0) -> Image.Image:
+    """Resize to fit_size."""
+    size = fit_size(img.width, img.height, max_side, multiple, minimum)
+    return img if size == img.size else img.resize(size, Image.LANCZOS)
 
 
 class StyleBackend(Backend):
     name = "style"
     supports_batching = True
-    min_image_side = 32  # the networks' reflect padding needs this much
+    min_image_side = 32  # smaller inputs are refused
+    model_min_side = 8   # what reaches the network: its first reflect padding (4 px) needs 5, in multiples of 4
     supports_text_to_image = False
 
     def __init__(self, settings: Img2ImgSettings, progress: Progress):
@@ -62,7 +70,7 @@ class StyleBackend(Backend):
 
     # ---- CPU pool ---------------------------------------------------------------------
     def prepare(self, item: Img2ImgItem) -> None:
-        item.image = fit(item.image, self.settings.max_side, 4)
+        item.image = fit(item.image, self.settings.max_side, 4, self.model_min_side)
         if item.size is not None:
             item.image = item.image.resize((max(32, item.size[0] // 4 * 4), max(32, item.size[1] // 4 * 4)),
                                            Image.LANCZOS)
@@ -89,6 +97,8 @@ class StyleBackend(Backend):
 
     # ---- GPU worker -------------------------------------------------------------------
     def infer_batch(self, items: list[Img2ImgItem]) -> list[Any]:
+        if items and items[0].key == PASSTHROUGH:
+            return [None] * len(items)
         # a webui interrupt ended the request these belong to: what had not started is not run
         run = [i for i in items if not self.progress.stopped(i.job)]
         if len(run) < len(items):

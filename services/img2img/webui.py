@@ -1,90 +1,49 @@
-"""The AUTOMATIC1111 webui API surface that clients call (webuiapi, sd-backend-client).
+"""The AUTOMATIC1111 webui API's generation routes (img2img, txt2img), and where every
+other webui route is added.
 
 img2img and txt2img go through the runtime's pipeline like every model route. A request
 brings ``batch_size x n_iter`` items seeded ``seed, seed+1, ...`` as the webui seeds them,
 which the scheduler batches (with each other and with compatible requests). Masks are
 prepared as the webui prepares them (webui_images), and outside the mask the answer is
-the original picture, pixel for pixel. Defaults are the webui API's. Listings answer what
-applies here and empty lists where nothing does; errors on /sdapi routes, unknown ones
-included, take the webui's shape ``{"error", "detail", "body", "errors"}``.
+the original picture, pixel for pixel.
+
+The decode hook refuses what cannot be done before any picture is decoded, in this
+order: the body's fields (webui_models; text that is not Unicode, webui_json), then the
+counts (init images against batch_size, images against max_images), then the cost
+(``check_cost``: where a cost model plugs in), and only then the pictures. What the
+model and the encoder can take is known there too: a size the output format cannot hold
+is a 422 before the model runs, and a picture too thin for the model is widened to what
+it takes (the backend's fit).
 """
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import random
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 from PIL import Image
-from pydantic import ConfigDict, Field
 
 from services.img2img import webui_images as wi
+from services.img2img import webui_infotext
+from services.img2img import webui_schemas as ws
 from services.img2img.params import MAX_SEED, Img2ImgItem
-from services.img2img.webui_info import (OUTPUT_FORMATS, WebuiState, guard, info_document, infotext, listing_routes,
-                                         not_found_routes, sdapi_error)
-from services.runtime.body import RawRequest, parse_json_object, read_body
-from services.runtime.codec import decode_base64, decode_image
+from services.img2img.webui_info import WebuiState, info_document, infotext, sdapi_error
+from services.img2img.webui_json import picture_bytes, read_webui_json
+from services.img2img.webui_models import WebuiBase, WebuiImg2Img, WebuiTxt2Img, echoed_parameters
+from services.img2img.webui_options import OUTPUT_FORMATS
+from services.runtime.body import RawRequest
+from services.runtime.codec import ImageHeader, decode_probed, probe_image
 from services.runtime.errors import ApiError
-from services.runtime.inputs import decode_limits, read_json
-from services.runtime.params import Bool, Float, Int, Params, Str, inline_schema, validate
+from services.runtime.image_limits import check_encodable
+from services.runtime.inputs import decode_limits
+from services.runtime.params import inline_schema, validate
 from services.runtime.pipeline import ModelRoute, Reply, Work, json_reply
 
-MAX_OPTIONS_BYTES = 1_000_000
-
-
-class _WebuiBase(Params):
-    """Fields both generation routes share, with the webui API's defaults. Any other webui
-    field is accepted and ignored (named in the answer's info as ignored_fields)."""
-    model_config = ConfigDict(extra="allow", protected_namespaces=())
-    prompt: Str | None = Field("", max_length=100_000)
-    negative_prompt: Str | None = Field("", max_length=100_000)
-    steps: Int | None = Field(None, ge=1, le=1000, description="absent: the service's default_steps")
-    cfg_scale: Float | None = Field(7.0, ge=0.0, le=50.0)
-    seed: Int | None = Field(-1, ge=-1, le=MAX_SEED, description="-1: random; image i gets seed + i")
-    subseed: Int | None = Field(-1, ge=-1, le=MAX_SEED)
-    subseed_strength: Float | None = Field(0.0, ge=0.0, le=1.0)
-    seed_resize_from_w: Int | None = Field(-1, ge=-1, le=8192)
-    seed_resize_from_h: Int | None = Field(-1, ge=-1, le=8192)
-    width: Int | None = Field(512, ge=8, le=8192)
-    height: Int | None = Field(512, ge=8, le=8192)
-    sampler_name: Str | None = Field(None, max_length=64)
-    sampler_index: Str | None = Field(None, max_length=64)
-    scheduler: Str | None = Field(None, max_length=64)
-    batch_size: Int | None = Field(1, ge=1, le=256)
-    n_iter: Int | None = Field(1, ge=1, le=256)
-    send_images: Bool | None = True
-    save_images: Bool | None = False
-    override_settings: dict[str, Any] | None = None
-    override_settings_restore_afterwards: Bool | None = True
-    styles: list[Str] | None = None
-    force_task_id: Str | None = Field(None, max_length=128)
-
-
-class WebuiImg2Img(_WebuiBase):
-    init_images: list[Str] = Field(..., min_length=1, max_length=64)
-    denoising_strength: Float | None = Field(0.75, ge=0.0, le=1.0)
-    resize_mode: Int | None = Field(0, ge=0, le=3)
-    mask: Str | None = None
-    # the webui's slider stops at 64; a wider Gaussian costs decode time for nothing
-    mask_blur: Int | None = Field(None, ge=0, le=64, description="sets mask_blur_x and mask_blur_y")
-    mask_blur_x: Int | None = Field(4, ge=0, le=64)
-    mask_blur_y: Int | None = Field(4, ge=0, le=64)
-    inpainting_fill: Int | None = Field(0, ge=0, le=3, description="0 fill, 1 original, 2 latent noise, 3 nothing")
-    inpaint_full_res: Bool | Int | None = Field(True, description="inpaint only the masked region, at full size")
-    inpaint_full_res_padding: Int | None = Field(0, ge=0, le=1024)
-    inpainting_mask_invert: Int | Bool | None = Field(0, ge=0, le=1)
-    include_init_images: Bool | None = False
-
-
-class WebuiTxt2Img(_WebuiBase):
-    enable_hr: Bool | None = False
-    denoising_strength: Float | None = Field(None, ge=0.0, le=1.0)
+ROUTE_ERRORS = (400, 401, 404, 413, 415, 422, 500, 503, 504)
 
 
 def _random_seed() -> int:
@@ -96,7 +55,7 @@ class WebuiRoutes:
         self.r, self.ctx, self.state = routes, ctx, state  # routes: app.Img2ImgRoutes
 
     # ---- shared -----------------------------------------------------------------------
-    def _options(self, req: _WebuiBase) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    def _options(self, req: WebuiBase) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
         """(the options this request runs with, the overrides to keep afterwards, what is ignored)."""
         over = dict(req.override_settings or {})
         ignored = []
@@ -104,78 +63,118 @@ class WebuiRoutes:
             over.pop("sd_model_checkpoint")  # as the webui does with a checkpoint it cannot find
             ignored.append("override_settings.sd_model_checkpoint")
         over = self.state.checked(over, "override_settings.")
+        keep = {}
+        if req.override_settings_restore_afterwards is False and over:
+            # kept after the request: bounded as a POST /sdapi/v1/options is, refused now rather than after the model
+            keep = self.state.store.check(over, "override_settings.")
         opts = {**self.state.options, **over}
         if opts.get("CLIP_stop_at_last_layers", 1) != 1:
             ignored.append("CLIP_stop_at_last_layers")
-        keep = over if req.override_settings_restore_afterwards is False else {}
         return opts, keep, ignored
 
-    def _plan(self, req: _WebuiBase, batch_size: int, kind: str,
-              fallback: tuple[int, int] = (512, 512)) -> dict[str, Any]:
-        n = batch_size * (req.n_iter or 1)
-        if n > self.r.cfg.max_images:
-            raise ApiError(422, "invalid_parameter", f"batch_size x n_iter: {n} images is over this service's "
-                                                     f"max_images of {self.r.cfg.max_images}")
-        extra = req.model_extra or {}
-        scripts = [extra["script_name"]] if extra.get("script_name") else []
-        if isinstance(extra.get("alwayson_scripts"), dict):
-            scripts += list(extra["alwayson_scripts"])
-        if scripts:  # as the webui answers for a script it does not have
+    @staticmethod
+    def _refuse_scripts(req: WebuiBase) -> None:
+        """As the webui answers for a script it does not have; any entry, in a dict or a list."""
+        scripts = [req.script_name] if req.script_name else []
+        always = req.alwayson_scripts
+        if isinstance(always, dict):
+            scripts += list(always)
+        elif isinstance(always, list):
+            scripts += [entry if isinstance(entry, str) else json.dumps(entry)[:64] for entry in always]
+        if scripts:
             raise ApiError(422, "script_not_found", f"Script {str(scripts[0])[:64]!r} not found: this service "
                                                     f"runs no scripts (see /sdapi/v1/scripts)")
+
+    def _plan(self, req: WebuiBase, kind: str) -> dict[str, Any]:
+        """Everything a request's fields decide, before any picture is read."""
+        self._refuse_scripts(req)
         prompt, negative = req.prompt or "", req.negative_prompt or ""
         self.r.check_prompts(prompt, negative)
-        seed = req.seed if req.seed is not None and req.seed >= 0 else _random_seed()
-        subseed = req.subseed if req.subseed is not None and req.subseed >= 0 else _random_seed()
         sampler, key, schedule = self.state.sampler(req.sampler_name or req.sampler_index, req.scheduler)
         opts, keep, ignored = self._options(req)
-        width, height = req.width or fallback[0], req.height or fallback[1]
-        if width * height > self.r.cfg.max_pixels:
-            raise ApiError(413, "too_many_pixels", f"width x height is over the limit of {self.r.cfg.max_pixels}")
-        return {"req": req, "kind": kind, "n": n, "batch_size": batch_size, "prompt": prompt,
-                "negative_prompt": negative, "seeds": [seed + i for i in range(n)],
-                "subseeds": [subseed + i for i in range(n)], "sampler": sampler, "scheduler_key": key,
-                "schedule": schedule, "cfg_scale": req.cfg_scale if req.cfg_scale is not None else 7.0,
+        width, height = req.width, req.height  # None: the first init image's size (img2img)
+        if width and height and width * height > self.r.cfg.max_pixels:
+            raise ApiError(413, "too_many_pixels", f"width x height = {width * height} is over the limit of "
+                                                   f"{self.r.cfg.max_pixels}")
+        fmt = OUTPUT_FORMATS[str(opts.get("samples_format", "png")).lower()]
+        if width and height and req.send_images is not False:
+            check_encodable(width, height, fmt, f"width x height {width}x{height} in samples_format {fmt!r}")
+        return {"req": req, "kind": kind, "prompt": prompt, "negative_prompt": negative,
+                "sampler": sampler, "scheduler_key": key, "schedule": schedule,
+                "cfg_scale": req.cfg_scale if req.cfg_scale is not None else 7.0, "format": fmt,
                 "width": width, "height": height, "options": opts, "keep_options": keep,
                 "ignored": sorted([*(req.model_extra or {}).keys(), *ignored]), "extra": {},
                 "job": uuid.uuid4().hex, "job_timestamp": time.strftime("%Y%m%d%H%M%S")}
 
+    def _count(self, gen: dict[str, Any], batch_size: int) -> None:
+        """The images a request asks for, against max_images; and their seeds."""
+        req = gen["req"]
+        n = batch_size * (req.n_iter or 1)
+        if n > self.r.cfg.max_images:
+            raise ApiError(422, "invalid_parameter", f"batch_size x n_iter: {n} images is over this service's "
+                                                     f"max_images of {self.r.cfg.max_images}")
+        seed = req.seed if req.seed is not None and req.seed >= 0 else _random_seed()
+        subseed = req.subseed if req.subseed is not None and req.subseed >= 0 else _random_seed()
+        gen.update(n=n, batch_size=batch_size, seeds=[seed + i for i in range(n)],
+                   subseeds=[subseed + i for i in range(n)])
+
+    def check_cost(self, raw: RawRequest, gen: dict[str, Any], pictures: list[tuple[bytes, ImageHeader]] = (),
+                   mask: tuple[bytes, ImageHeader] | None = None) -> None:
+        """What the request will cost, stated before any picture is decoded (from the headers):
+        n items at the generation size as the model sees it, the pictures decoded, the answers
+        produced and sent as base64 (services/runtime/cost.py checks the products)."""
+        width, height, n = gen["width"], gen["height"], gen["n"]
+        own_size = bool(gen.get("own_size")) and pictures  # inpainting at the picture's own size
+        answer = max(h.pixels for _, h in pictures) if own_size else width * height
+        sent = gen["req"].send_images is not False
+        raw.cost.check(items=n, item_pixels=self.r.model_pixels(width, height),
+                       input_pixels=sum(h.pixels for _, h in pictures) + (mask[1].pixels if mask else 0),
+                       output_pixels=n * answer, base64_output=True, output_bytes=None if sent else 4096)
+
+    def _steps(self, gen: dict[str, Any], strength: float) -> int:
+        """The steps the model runs: with img2img_fix_steps, enough that `steps` of them denoise."""
+        steps = gen["steps"]
+        if not gen["options"].get("img2img_fix_steps") or not 0.0 < strength < 1.0:
+            return steps
+        needed = steps / min(strength, 0.999)  # inf for a strength too small to be a float divisor
+        if not needed <= self.r.cfg.max_steps:
+            raise ApiError(422, "invalid_parameter", f"img2img_fix_steps: {steps} steps at denoising_strength "
+                                                     f"{strength:g} would run {needed:.4g} steps; this service runs "
+                                                     f"at most {self.r.cfg.max_steps}")
+        return int(needed)
+
     def _finish_plan(self, gen: dict[str, Any], items: list[Img2ImgItem]) -> Work:
-        if gen["keep_options"]:  # override_settings_restore_afterwards = false: they stay
-            self.state.update_options(gen["keep_options"])
         self.r.progress.expect(gen["job"], gen["kind"], len(items), gen["batch_size"])
         return Work(items, items[0].key, gen)
 
     # ---- img2img ----------------------------------------------------------------------
     def decode_img2img(self, raw: RawRequest) -> Work:
-        req = validate(WebuiImg2Img, read_json(raw, self.r.cfg))
-        limits = decode_limits(self.r.cfg)
-        # the answer keeps the original's pixels outside a mask: decode at no less than its size
-        reduce_to = None if req.mask and req.inpaint_full_res else 2 * max(req.width or 0, req.height or 0) or None
-        inits = []
-        for i, text in enumerate(req.init_images):
-            img = decode_image(decode_base64(text, f"init_images.{i}", self.r.cfg.max_body_bytes), limits, reduce_to)
-            self.r.check_size(img.width, img.height, f"init_images.{i}")
-            inits.append(Image.fromarray(img.rgb))
-        batch_size = req.batch_size or 1
-        if len(inits) > 1:  # the webui runs one image per init image in each batch
-            if len(inits) > batch_size:
-                raise ApiError(422, "invalid_parameter",
-                               f"init_images: {len(inits)} images for a batch_size of {batch_size}; send at most "
-                               f"batch_size images")
-            batch_size = len(inits)
-        gen = self._plan(req, batch_size, "img2img", inits[0].size)
+        # fields
+        doc = webui_infotext.apply(read_webui_json(raw, self.r.cfg), img2img=True)
+        req = validate(WebuiImg2Img, doc)
+        gen = self._plan(req, "img2img")
         strength = req.denoising_strength if req.denoising_strength is not None else 0.75
         gen["strength"] = strength
         gen["steps"] = self.r.steps(req.steps)
-        run_steps = gen["steps"]
-        if gen["options"].get("img2img_fix_steps") and 0.0 < strength < 1.0:
-            run_steps = self.r.steps(int(run_steps / min(strength, 0.999)))
+        run_steps = self._steps(gen, strength)
         gen["extra"]["Denoising strength"] = strength
-        prepared = self._prepare_inits(req, inits, gen, limits)
+        # counts: the webui runs one image per init image in each batch
+        count, batch_size = len(req.init_images), req.batch_size or 1
+        if count > 1:
+            if count > batch_size:
+                raise ApiError(422, "invalid_parameter",
+                               f"init_images: {count} images for a batch_size of {batch_size}; send at most "
+                               f"batch_size images")
+            batch_size = count
+        self._count(gen, batch_size)
+        # pictures: headers first (sizes, limits, cost), then the pixels
+        pictures = self._probe_inits(req, gen)
+        mask = self._probe(req.mask, "mask") if req.mask else None
+        self.check_cost(raw, gen, pictures, mask)
+        inits = [Image.fromarray(decode_probed(data, header, self._reduce_to(req)).rgb) for data, header in pictures]
+        prepared = self._prepare_inits(req, inits, gen, mask)
         gen["overlays"] = []
-        opts = gen["options"]
-        weights = None if self.state.diffusers else self.state.style_weights(req, opts)
+        weights = None if self.state.diffusers else self.state.style_weights(req, gen["options"])
         items = []
         for i in range(gen["n"]):
             image, mask, overlay = prepared[i % batch_size if len(inits) > 1 else 0]
@@ -186,15 +185,50 @@ class WebuiRoutes:
             gen["overlays"].append(overlay)
         return self._finish_plan(gen, items)
 
-    def _prepare_inits(self, req: WebuiImg2Img, inits: list[Image.Image], gen: dict[str, Any], limits):
+    def _probe(self, text: Any, name: str) -> tuple[bytes, ImageHeader]:
+        data = picture_bytes(text, name, self.r.cfg.max_body_bytes)
+        return data, probe_image(data, decode_limits(self.r.cfg))
+
+    @staticmethod
+    def _reduce_to(req: WebuiImg2Img) -> int | None:
+        """A JPEG may decode at reduced scale, unless the answer keeps the original's pixels."""
+        full_size = bool(req.mask and req.inpaint_full_res)
+        return None if full_size else 2 * max(req.width or 0, req.height or 0) or None
+
+    def _probe_inits(self, req: WebuiImg2Img, gen: dict[str, Any]) -> list[tuple[bytes, ImageHeader]]:
+        """Every init image's bytes and header; sizes checked (the model's, the encoder's) before decoding."""
+        full_size = bool(req.mask and req.inpaint_full_res)  # the answer keeps the original's pixels
+        gen["own_size"] = full_size
+        pictures = []
+        for i, text in enumerate(req.init_images):
+            data, header = self._probe(text, f"init_images.{i}")
+            self.r.check_size(header.width, header.height, f"init_images.{i}")
+            if full_size and req.send_images is not False:
+                check_encodable(header.width, header.height, gen["format"],
+                                f"init_images.{i} inpainted at its own size ({header.width}x{header.height}) "
+                                f"in samples_format {gen['format']!r}")
+            pictures.append((data, header))
+        if not gen["width"] or not gen["height"]:  # null in the body: the picture's size, as the webui takes it
+            first = pictures[0][1]
+            width, height = gen["width"] or first.width, gen["height"] or first.height
+            if width * height > self.r.cfg.max_pixels:
+                raise ApiError(413, "too_many_pixels", f"width x height = {width * height} is over the limit of "
+                                                       f"{self.r.cfg.max_pixels}")
+            if req.send_images is not False:
+                check_encodable(width, height, gen["format"], f"{width}x{height} in samples_format {gen['format']!r}")
+            gen["width"], gen["height"] = width, height
+        return pictures
+
+    def _prepare_inits(self, req: WebuiImg2Img, inits: list[Image.Image], gen: dict[str, Any],
+                       probed_mask: tuple[bytes, ImageHeader] | None):
         """Per init image: (what the model starts from, its mask or None, the overlay or None)."""
         size, mode = (gen["width"], gen["height"]), req.resize_mode or 0
         if not req.mask:
             return [(wi.resize_image(img, size, mode), None, None) for img in inits]
         blur_x = req.mask_blur if req.mask_blur is not None else (req.mask_blur_x or 0)
         blur_y = req.mask_blur if req.mask_blur is not None else (req.mask_blur_y or 0)
-        data = decode_base64(req.mask, "mask", self.r.cfg.max_body_bytes)
-        source = wi.mask_channel(data, decode_image(data, limits).rgb)
+        data, header = probed_mask
+        source = wi.mask_channel(data, decode_probed(data, header).rgb)
         mask = wi.prepare_mask(source, bool(req.inpainting_mask_invert), blur_x, blur_y)
         fill = req.inpainting_fill if req.inpainting_fill is not None else wi.FILL
         extra = gen["extra"]
@@ -234,12 +268,16 @@ class WebuiRoutes:
         if not getattr(self.r.backend, "supports_text_to_image", False):
             raise ApiError(422, "unsupported", f"txt2img needs the diffusers backend; this service runs "
                                                f"{self.r.backend.name!r}, which only transforms a picture")
-        req = validate(WebuiTxt2Img, read_json(raw, self.r.cfg))
-        gen = self._plan(req, req.batch_size or 1, "txt2img")
+        doc = webui_infotext.apply(read_webui_json(raw, self.r.cfg), img2img=False)
+        req = validate(WebuiTxt2Img, doc)
+        gen = self._plan(req, "txt2img")
+        gen["width"], gen["height"] = gen["width"] or 512, gen["height"] or 512
         if req.enable_hr:
             gen["ignored"] = sorted([*gen["ignored"], "enable_hr"])  # no second, upscaled pass here
         gen["strength"] = req.denoising_strength
         gen["steps"] = self.r.steps(req.steps)
+        self._count(gen, req.batch_size or 1)
+        self.check_cost(raw, gen)
         width, height, side = gen["width"], gen["height"], self.r.cfg.max_side
         scale = min(1.0, side / max(width, height))
         size = (max(8, round(width * scale)), max(8, round(height * scale)))
@@ -255,7 +293,8 @@ class WebuiRoutes:
         gen = work.state
         req = gen["req"]
         opts = gen["options"]
-        fmt = OUTPUT_FORMATS[str(opts.get("samples_format", "png")).lower()]
+        if gen["keep_options"]:  # override_settings_restore_afterwards = false: they stay once it has run
+            self.state.update_options(gen["keep_options"], "override_settings.")
         produced = [i for i, out in enumerate(results) if out is not None]  # None: interrupted before it ran
         gen["produced"] = produced or [0]
         images = []
@@ -265,10 +304,10 @@ class WebuiRoutes:
                 if gen["overlays"][i] is not None:
                     img = gen["overlays"][i].apply(img)
                 text = infotext(gen, self.state, i) if opts.get("enable_pnginfo", True) else None
-                images.append(_encode(img, fmt, opts.get("jpeg_quality", 80), text))
+                images.append(webui_infotext.encode_picture(img, gen["format"], opts.get("jpeg_quality", 80), text))
         info = info_document(gen, self.state)
         info["ignored_fields"] = gen["ignored"]
-        parameters = req.model_dump()
+        parameters = echoed_parameters(req)
         if gen["kind"] == "img2img" and not req.include_init_images:
             parameters["init_images"] = None
             parameters["mask"] = None
@@ -277,85 +316,26 @@ class WebuiRoutes:
     def route(self, kind: str) -> ModelRoute:
         decode = self.decode_img2img if kind == "img2img" else self.decode_txt2img
         model = WebuiImg2Img if kind == "img2img" else WebuiTxt2Img
+        # the pipeline documents every status for a model route: each in the webui's shape here
         return ModelRoute(
             f"/sdapi/v1/{kind}", decode, self.encode, summary=f"AUTOMATIC1111 webui {kind}", tags=["webui"],
             request_body={"required": True, "content": {"application/json": {"schema": inline_schema(model)}}},
-            responses={200: {"description": "images (base64), the parameters, and info (a JSON string)",
-                             "content": {"application/json": {"schema": {
-                                 "type": "object", "required": ["images", "parameters", "info"], "properties": {
-                                     "images": {"type": "array", "items": {"type": "string"}},
-                                     "parameters": {"type": "object"}, "info": {"type": "string"}}}}}}},
+            responses=ws.responses(ws.GenerationResponse, "images (base64), the parameters, and info (a JSON string)",
+                                   errors=ROUTE_ERRORS),
             error_body=sdapi_error)
 
 
-def _encode(img: Image.Image, fmt: str, quality: int, text: str | None) -> str:
-    """Base64 of the picture as the webui sends it: PNG carries the infotext as `parameters`."""
-    buf = io.BytesIO()
-    if fmt == "png":
-        from PIL.PngImagePlugin import PngInfo
-        info = None
-        if text:
-            info = PngInfo()
-            info.add_text("parameters", text)
-        img.save(buf, "PNG", compress_level=1, pnginfo=info)
-    else:
-        img.save(buf, "JPEG" if fmt == "jpeg" else "WEBP", quality=quality)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
-def _preview_png(preview: Callable) -> str:
-    buf = io.BytesIO()
-    preview().save(buf, "PNG", compress_level=1)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
 def add_routes(app: FastAPI, ctx, routes) -> None:
+    from services.img2img.webui_extras import ExtrasRoutes
+    from services.img2img.webui_routes import add_control_routes
+    cfg = routes.cfg
+    auth = bool(cfg.resolved_api_key() or cfg.basic_auth_env or cfg.basic_auth_file)
     state = WebuiState(routes)
     web = WebuiRoutes(routes, ctx, state)
     ctx.pipeline.add(app, web.route("img2img"))
     ctx.pipeline.add(app, web.route("txt2img"))
-    progress = routes.progress
-
-    async def get_progress(request: Request) -> JSONResponse:
-        doc, preview = progress.snapshot()
-        skip = request.query_params.get("skip_current_image", "false").strip().lower() in ("true", "1", "yes")
-        if preview is not None and not skip:
-            doc["current_image"] = await ctx.cpu.run(_preview_png, preview)
-        return JSONResponse(doc)
-
-    async def interrupt() -> JSONResponse:
-        progress.interrupt()
-        return JSONResponse({})
-
-    async def skip() -> JSONResponse:
-        progress.skip()
-        return JSONResponse(None)
-
-    async def get_options() -> JSONResponse:
-        return JSONResponse(state.options)
-
-    async def set_options(request: Request) -> JSONResponse:
-        body = await read_body(request, MAX_OPTIONS_BYTES)
-        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
-            raise ApiError(415, "unsupported_media_type", "send the options as application/json")
-        doc = await ctx.cpu.run(parse_json_object, body, routes.cfg.max_json_depth, routes.cfg.max_fields)
-        state.update_options(doc)
-        return JSONResponse(None)
-
-    async def unsupported() -> JSONResponse:
-        raise ApiError(422, "unsupported", "this webui endpoint is not available on this service")
-
-    for path, method, fn, summary in (
-            ("progress", "GET", get_progress, "The running generation (webui shape); current_image unless "
-                                              "skip_current_image=true"),
-            ("interrupt", "POST", interrupt, "Stop the running generation between steps; its requests answer "
-                                             "with what they have"),
-            ("skip", "POST", skip, "End the running batch between steps; the request goes on with its next batch"),
-            ("options", "GET", get_options, "Settings (webui shape)"),
-            ("options", "POST", set_options, "Change settings (kept for this process)"),
-            ("extra-single-image", "POST", unsupported, "Not available here"),
-            ("extra-batch-images", "POST", unsupported, "Not available here")):
-        app.add_api_route(f"/sdapi/v1/{path}", guard(fn), methods=[method], tags=["webui"], summary=summary)
-    listing_routes(app, state, ctx, bool(routes.cfg.basic_auth_env or routes.cfg.basic_auth_file))
-    not_found_routes(app)
-
+    extras = ExtrasRoutes(routes, state)
+    for route in extras.routes():
+        ctx.pipeline.add(app, route)
+    ctx.error_bodies["/sdapi/"] = sdapi_error
+    add_control_routes(app, ctx, routes, state, auth)

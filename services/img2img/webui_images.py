@@ -28,7 +28,9 @@ def resize_image(img: Image.Image, size: tuple[int, int], mode: int) -> Image.Im
     if mode != 2:
         return img.resize(size, Image.LANCZOS)
     width, height = size
-    inner = ImageOps.contain(img, size, Image.LANCZOS)
+    ratio = min(width / img.width, height / img.height)  # ImageOps.contain, but never 0 px on a side
+    inner = img.resize((min(width, max(1, round(img.width * ratio))), min(height, max(1, round(img.height * ratio)))),
+                       Image.LANCZOS)
     canvas = Image.new(img.mode, size)
     x0, y0 = (width - inner.width) // 2, (height - inner.height) // 2
     canvas.paste(inner, (x0, y0))

@@ -1,27 +1,25 @@
-"""What the webui API says about itself: options, samplers, the model, the info document,
-the listings clients discover a server with, and the webui's error shape.
+"""What the webui API says about itself: the model, samplers, the settings, the info
+document, the listings clients discover a server with, and the webui's error shape.
 
-Options are kept per process. POST /sdapi/v1/options stores any key, as clients set keys
-this service does not use; the keys that mean something here are checked and applied
-(output format and quality, PNG info, previews, img2img step counting, the style). The
-model is the one this unit loaded, named as the webui names a checkpoint
-(``name [shorthash]``); it never switches. Samplers list what the backend maps.
+The model is the one this unit loaded, named as the webui names a checkpoint
+(``name [shorthash]``); it never switches. Samplers list the webui's names: on diffusers
+each runs the scheduler it maps to (Euler when a request names none, as in the webui);
+the style network has no sampler, so there every name gives the same picture and the
+infotext reports the one asked for. Settings live in webui_options.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import hashlib
-import json
 import os
-import threading
 from typing import Any, Callable
 
-from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from services.img2img.params import parse_style
+from services.img2img.webui_infotext import quote
+from services.img2img.webui_options import OptionsStore
 from services.runtime.errors import ApiError
 
 # webui sampler name, its aliases, the diffusers scheduler key that runs it
@@ -34,14 +32,7 @@ SAMPLERS = [
 ]
 KARRAS = {"dpmpp_2m", "dpmpp_2m_sde", "euler", "lms", "heun", "dpm2", "dpm2_a", "unipc"}
 _BY_NAME = {a.lower(): (name, key) for name, aliases, key in SAMPLERS for a in [name, *aliases, key]}
-_NAME_OF_KEY = {key: name for name, _, key in SAMPLERS}
-_NAME_OF_CLASS = {"DPMSolverMultistepScheduler": "DPM++ 2M", "EulerAncestralDiscreteScheduler": "Euler a",
-                  "EulerDiscreteScheduler": "Euler", "LMSDiscreteScheduler": "LMS", "HeunDiscreteScheduler": "Heun",
-                  "KDPM2DiscreteScheduler": "DPM2", "KDPM2AncestralDiscreteScheduler": "DPM2 a",
-                  "DDIMScheduler": "DDIM", "DDPMScheduler": "DDPM", "PNDMScheduler": "PLMS",
-                  "UniPCMultistepScheduler": "UniPC", "LCMScheduler": "LCM"}
-DEFAULT_SAMPLER = "Euler"   # the webui API's default when a request names none (style backend)
-OUTPUT_FORMATS = {"png": "png", "jpg": "jpeg", "jpeg": "jpeg", "webp": "webp"}
+DEFAULT_SAMPLER = "Euler"   # the webui API's default (its sampler_index) when a request names none
 
 
 def _sha256_file(path: str) -> str:
@@ -70,7 +61,6 @@ def _fingerprint_dir(path: str) -> str:
 class WebuiState:
     def __init__(self, routes):
         self.routes = routes
-        self._lock = threading.Lock()
         cfg = routes.cfg
         if cfg.backend == "diffusers":
             self.model_name = os.path.basename(str(cfg.model_path).rstrip("/"))
@@ -83,7 +73,7 @@ class WebuiState:
             self.sha256 = _sha256_file(self.model_file)
         self.short_hash = self.sha256[:10] if self.sha256 else "0000000000"
         self.model_title = f"{self.model_name} [{self.short_hash}]"
-        self._options: dict[str, Any] = {
+        defaults: dict[str, Any] = {
             "sd_model_checkpoint": self.model_title, "sd_checkpoint_hash": self.sha256, "sd_vae": "Automatic",
             "CLIP_stop_at_last_layers": 1, "samples_format": "png", "jpeg_quality": 80, "enable_pnginfo": True,
             "img2img_fix_steps": False, "img2img_background_color": "#ffffff", "inpainting_mask_weight": 1.0,
@@ -93,13 +83,14 @@ class WebuiState:
             "add_model_name_to_info": True, "add_version_to_infotext": True,
             "onecard_backend": cfg.backend, "onecard_style": 0,
         }
-        self._apply_progress_options(self._options)
+        self.store = OptionsStore(defaults, max_keys=cfg.max_option_keys, max_value_bytes=cfg.max_option_value_bytes,
+                                  max_bytes=cfg.max_options_bytes, on_change=self._apply_progress_options)
 
     # ---- options ------------------------------------------------------------------------
     @property
     def options(self) -> dict[str, Any]:
-        with self._lock:
-            return copy.deepcopy(self._options)
+        """The stored settings (read-only: the store replaces them whole on an update)."""
+        return self.store.current
 
     def is_this_model(self, name: Any) -> bool:
         if not isinstance(name, str):
@@ -108,38 +99,18 @@ class WebuiState:
             name.split(" [")[0] == self.model_name or os.path.splitext(name)[0] == self.model_name
 
     def checked(self, doc: dict[str, Any], where: str) -> dict[str, Any]:
-        """`doc` with the keys that mean something here validated (422 naming the key)."""
-        out = dict(doc)
+        """`doc` with the keys that mean something here typed (422 naming the key); the
+        checkpoint must be this unit's model."""
+        if "sd_model_checkpoint" in doc:
+            if not self.is_this_model(doc["sd_model_checkpoint"]):
+                raise ApiError(422, "invalid_parameter", f"{where}sd_model_checkpoint: this unit serves "
+                                                         f"{self.model_title!r} and never switches models")
+            doc = {**doc, "sd_model_checkpoint": self.model_title}
+        return self.store.typed(doc, where)
 
-        def bad(key: str, why: str):
-            return ApiError(422, "invalid_parameter", f"{where}{key}: {why}")
-        if "sd_model_checkpoint" in out:
-            if not self.is_this_model(out["sd_model_checkpoint"]):
-                raise bad("sd_model_checkpoint", f"this unit serves {self.model_title!r} and never switches models")
-            out["sd_model_checkpoint"] = self.model_title
-        if "onecard_style" in out:
-            try:
-                parse_style(out["onecard_style"])
-            except ValueError as exc:
-                raise bad("onecard_style", str(exc)) from None
-        fmt = out.get("samples_format")
-        if fmt is not None and (not isinstance(fmt, str) or fmt.lower() not in OUTPUT_FORMATS):
-            raise bad("samples_format", f"one of {', '.join(OUTPUT_FORMATS)}")
-        for key, lo, hi in (("jpeg_quality", 1, 100), ("show_progress_every_n_steps", -1, 1000),
-                            ("CLIP_stop_at_last_layers", 1, 12)):
-            v = out.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
-                raise bad(key, f"a whole number from {lo} to {hi}")
-        for key in ("img2img_fix_steps", "enable_pnginfo", "live_previews_enable"):
-            if key in out and not isinstance(out[key], bool):
-                raise bad(key, "true or false")
-        return out
-
-    def update_options(self, doc: dict[str, Any]) -> None:
-        doc = self.checked(doc, "")
-        with self._lock:
-            self._options.update(doc)
-            self._apply_progress_options(self._options)
+    def update_options(self, doc: dict[str, Any], where: str = "") -> None:
+        """Type, bound and store (CPU work: callers run it in the CPU pool)."""
+        self.store.update(self.checked(doc, where), where)
 
     def _apply_progress_options(self, opts: dict[str, Any]) -> None:
         self.routes.progress.preview_every = int(opts.get("show_progress_every_n_steps", 10))
@@ -159,16 +130,15 @@ class WebuiState:
         return self.routes.cfg.backend == "diffusers"
 
     def sampler(self, name: str | None, scheduler: str | None) -> tuple[str, str | None, str]:
-        """(webui sampler name, scheduler key for the backend or None, webui schedule label)."""
-        if not self.diffusers:
-            return name or DEFAULT_SAMPLER, None, "Automatic"
+        """(webui sampler name, scheduler key for the backend or None, webui schedule label).
+        No name: Euler, the webui API's default."""
         karras = isinstance(scheduler, str) and scheduler.strip().lower() == "karras"
-        if not name:
-            return self.configured_sampler(), None, "Automatic"
-        text = name.strip()
+        text = (name or DEFAULT_SAMPLER).strip()
         if text.lower().endswith(" karras"):
             text, karras = text[:-7].strip(), True
         found = _BY_NAME.get(text.lower())
+        if not self.diffusers:  # nothing samples here: the name is reported, as the webui spells a known one
+            return (found[0] if found else name or DEFAULT_SAMPLER), None, "Automatic"
         if found is None:
             raise ApiError(404, "sampler_not_found", f"Sampler not found: {name[:64]!r}; see /sdapi/v1/samplers")
         webui_name, key = found
@@ -176,21 +146,9 @@ class WebuiState:
             return webui_name, f"{key}_karras", "Karras"
         return webui_name, key, "Automatic"
 
-    def configured_sampler(self) -> str:
-        key = self.routes.cfg.scheduler
-        if key in _NAME_OF_KEY:
-            return _NAME_OF_KEY[key]
-        cls = self.routes.backend.info().get("scheduler") or ""
-        return _NAME_OF_CLASS.get(cls, cls or DEFAULT_SAMPLER)
-
     def sd_model(self) -> dict[str, Any]:
         return {"title": self.model_title, "model_name": self.model_name, "hash": self.short_hash,
                 "sha256": self.sha256, "filename": self.model_file, "config": None}
-
-
-def _quote(value: Any) -> str:
-    text = str(value)
-    return json.dumps(text, ensure_ascii=False) if any(c in text for c in ",:\n") else text
 
 
 def infotext(gen: dict[str, Any], state: WebuiState, index: int) -> str:
@@ -204,7 +162,7 @@ def infotext(gen: dict[str, Any], state: WebuiState, index: int) -> str:
                               "Model": state.model_name if opts.get("add_model_name_to_info") else None,
                               **gen["extra"],
                               "Version": f"onecard-{_version()}" if opts.get("add_version_to_infotext") else None}
-    text = ", ".join(f"{k}: {_quote(v)}" for k, v in params.items() if v is not None)
+    text = ", ".join(f"{k}: {quote(v)}" for k, v in params.items() if v is not None)
     negative = f"\nNegative prompt: {gen['negative_prompt']}" if gen["negative_prompt"] else ""
     return f"{gen['prompt']}{negative}\n{text}".strip()
 
@@ -274,90 +232,3 @@ def _memory() -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - a figure, never a failure
         cuda = {"error": str(exc)[:200]}
     return {"ram": ram, "cuda": cuda}
-
-
-def listing_routes(app: FastAPI, state: WebuiState, ctx, basic_auth: bool) -> None:
-    """The routes clients call to discover what a server has: empty lists where nothing applies."""
-    def get(path: str, summary: str, fn: Callable) -> None:
-        app.add_api_route(path, guard(fn), methods=["GET"], tags=["webui"], summary=summary)
-
-    def constant(value: Any) -> Callable:
-        async def answer() -> JSONResponse:
-            return JSONResponse(value)
-        return answer
-
-    async def sd_models():
-        return JSONResponse([state.sd_model()])
-
-    async def samplers():
-        if not state.diffusers:
-            return JSONResponse([])
-        return JSONResponse([{"name": name, "aliases": aliases, "options": {"scheduler": "karras"} if key in KARRAS
-                              else {}} for name, aliases, key in SAMPLERS])
-
-    async def schedulers():
-        if not state.diffusers:
-            return JSONResponse([])
-        return JSONResponse([
-            {"name": "automatic", "label": "Automatic", "aliases": None, "default_rho": -1, "need_inner_model": False},
-            {"name": "karras", "label": "Karras", "aliases": None, "default_rho": 7.0, "need_inner_model": False}])
-
-    async def cmd_flags():
-        cfg = state.routes.cfg
-        return JSONResponse({"api": True, "api_auth": "***" if basic_auth else None, "nowebui": True,
-                             "listen": False, "port": None, "ckpt": state.model_file, "no_half": cfg.dtype == "float32",
-                             "lowvram": False, "medvram": False, "xformers": False, "skip_torch_cuda_test": True,
-                             "onecard_backend": cfg.backend})
-
-    async def memory():
-        return JSONResponse(await ctx.cpu.run(_memory))
-
-    async def progress_lite():
-        return JSONResponse(state.routes.progress.snapshot()[0])
-
-    get("/sdapi/v1/sd-models", "The loaded model (this unit never switches)", sd_models)
-    get("/sdapi/v1/samplers", "Samplers this backend maps", samplers)
-    get("/sdapi/v1/schedulers", "Noise schedules", schedulers)
-    get("/sdapi/v1/cmd-flags", "Command-line flags (webui shape; secrets redacted)", cmd_flags)
-    get("/sdapi/v1/memory", "RAM and CUDA memory", memory)
-    get("/sdapi/v1/embeddings", "Textual inversion embeddings (none)", constant({"loaded": {}, "skipped": {}}))
-    get("/sdapi/v1/scripts", "Scripts (none)", constant({"txt2img": [], "img2img": []}))
-    get("/sdapi/v1/upscalers", "Upscalers (only webui's no-op None)", constant(
-        [{"name": "None", "model_name": None, "model_path": None, "model_url": None, "scale": 4}]))
-    for path, what in (("loras", "LoRAs"), ("sd-vae", "VAE files (the model's own is used)"),
-                       ("hypernetworks", "Hypernetworks"), ("face-restorers", "Face restorers"),
-                       ("realesrgan-models", "Real-ESRGAN models"), ("prompt-styles", "Prompt styles"),
-                       ("script-info", "Scripts' arguments"), ("extensions", "Extensions"),
-                       ("latent-upscale-modes", "Latent upscale modes")):
-        get(f"/sdapi/v1/{path}", f"{what} (none)", constant([]))
-    get("/sdapi/v1/progress-lite", "Progress without the preview", progress_lite)
-    for path in ("refresh-checkpoints", "refresh-vae", "refresh-loras", "reload-checkpoint", "unload-checkpoint"):
-        app.add_api_route(f"/sdapi/v1/{path}", guard(constant(None)), methods=["POST"], tags=["webui"],
-                          summary="Accepted; this unit keeps its one model loaded")
-
-    async def ping():
-        return JSONResponse({})
-    app.add_api_route("/internal/ping", ping, methods=["GET"], tags=["webui"], summary="Liveness for webui clients")
-
-
-def not_found_routes(app: FastAPI) -> None:
-    """Unknown /sdapi paths answer 404 (405 for a known path and another method) in the webui's shape."""
-    from starlette.routing import Match
-
-    async def unknown(request: Request) -> JSONResponse:
-        scope = dict(request.scope)
-        allowed = set()
-        for route in app.routes:
-            if route.path.startswith("/sdapi/{"):
-                continue
-            match, _ = route.matches({**scope, "method": "__none__"})
-            if match != Match.NONE:
-                allowed |= set(getattr(route, "methods", None) or ())
-        if allowed:
-            exc = ApiError(405, "method_not_allowed", "Method Not Allowed", {"Allow": ", ".join(sorted(allowed))})
-        else:
-            exc = ApiError(404, "not_found", "Not Found")
-        return JSONResponse(sdapi_error(exc), status_code=exc.status, headers=exc.headers)
-
-    app.add_api_route("/sdapi/{rest:path}", unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
-                      include_in_schema=False)

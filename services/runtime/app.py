@@ -69,6 +69,8 @@ class ServiceContext:
         self.warmup_s: float | None = None
         self.warmup_inferences = 0
         self.static_info: dict[str, Any] = {}
+        # path prefix -> the error body a family of routes answers in (the webui's on /sdapi/), 401s included
+        self.error_bodies: dict[str, Callable[[ApiError], dict]] = {}
         self.heartbeat = Heartbeat()
         self.instance = os.environ.get("ONECARD_INSTANCE_TOKEN", "")
         self.pid = os.getpid()
@@ -161,7 +163,12 @@ class ServiceMiddleware:
             return await self.app(scope, receive, send)
         t0 = time.perf_counter()
         if self.credentials.required and path not in OPEN_PATHS and not self.credentials.check(scope):
-            resp = error_response(401, "unauthorized", self.credentials.hint(), self.credentials.challenge())
+            shape = next((fn for prefix, fn in self.ctx.error_bodies.items() if path.startswith(prefix)), None)
+            if shape is not None:
+                exc = ApiError(401, "unauthorized", self.credentials.hint(), self.credentials.challenge())
+                resp = JSONResponse(shape(exc), status_code=401, headers=exc.headers)
+            else:
+                resp = error_response(401, "unauthorized", self.credentials.hint(), self.credentials.challenge())
             await resp(scope, receive, send)
             self._observe(scope, 401, t0, timing=b"")
             return

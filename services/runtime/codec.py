@@ -27,6 +27,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from services.runtime import formats, jpeg
 from services.runtime.errors import ApiError
+from services.runtime.image_limits import check_encodable
 
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP")
 OUTPUT_FORMATS = {"png": ("PNG", "image/png"), "jpeg": ("JPEG", "image/jpeg"), "webp": ("WEBP", "image/webp")}
@@ -240,18 +241,6 @@ def encode_image(rgb: np.ndarray, fmt: str, quality: int | None = None) -> tuple
     buf = io.BytesIO()
     Image.fromarray(rgb).save(buf, format=pil_fmt, quality=quality or 85, method=0)
     return buf.getvalue(), mime
-
-
-MAX_SIDE_BY_FORMAT = {"png": 2**31 - 1, "jpeg": 65_500, "webp": 16_383}
-
-
-def check_encodable(width: int, height: int, fmt: str) -> None:
-    """422 before any model time is spent when the answer could not be written in `fmt`."""
-    limit = MAX_SIDE_BY_FORMAT.get(fmt)
-    if limit is not None and max(width, height) > limit:
-        raise ApiError(422, "output_too_large",
-                       f"a {width}x{height} answer cannot be written as {fmt} (at most {limit} px a side); "
-                       f"ask for another format or a smaller size")
 
 
 class Timing:

@@ -192,7 +192,8 @@ def test_control_routes_are_not_job_routes(unit):
     opts = httpx.get(unit.targets["img2img"].url + "/sdapi/v1/options", timeout=10).json()
     assert opts.get("sd_model_checkpoint") != "x"
     routes = {t["name"]: t["routes"] for t in unit.api.get("/info").json()["targets"]}
-    assert routes["img2img"] == ["/api/v1/img2img", "/sdapi/v1/img2img", "/sdapi/v1/txt2img"]
+    assert routes["img2img"] == ["/api/v1/img2img", "/sdapi/v1/extra-batch-images", "/sdapi/v1/extra-single-image",
+                                 "/sdapi/v1/img2img", "/sdapi/v1/png-info", "/sdapi/v1/txt2img"]
     assert routes["scripted"] == [WORK]
 
 

@@ -93,3 +93,22 @@ def test_polls_and_listings_are_not_served_model_requests(guarded):
     assert re.search(r'onecard_requests_total\{route="/sdapi/v1/progress",status="200"\} (\d+)', metrics)
     staged = set(re.findall(r'onecard_stage_seconds_count\{route="([^"]+)"', metrics))
     assert "/sdapi/v1/img2img" in staged and "/sdapi/v1/progress" not in staged
+
+
+def test_401_on_sdapi_routes_is_in_the_webui_shape(guarded):
+    """The webui answers a refused credential {"detail": ...}; our /sdapi routes (model routes,
+    control routes, listings, unknown paths) answer its shape, with the challenge."""
+    for method, path, body in (("GET", "/sdapi/v1/options", None), ("POST", "/sdapi/v1/img2img", {"init_images": []}),
+                               ("POST", "/sdapi/v1/png-info", {"image": ""}), ("GET", "/sdapi/v1/sd-models", None),
+                               ("POST", "/sdapi/v1/extra-single-image", {}), ("GET", "/sdapi/v1/no-such", None)):
+        r = httpx.request(method, guarded.url + path, json=body, auth=("alice", "wrong"))
+        assert r.status_code == 401, (path, r.text)
+        doc = r.json()
+        assert set(doc) == {"error", "detail", "body", "errors"} and doc["error"] == "unauthorized", doc
+        assert "credentials" in doc["detail"] and doc["errors"] == f"401: {doc['detail']}"
+        assert r.headers["www-authenticate"].startswith("Basic")
+    r = httpx.post(guarded.url + "/api/v1/img2img", content=b"", auth=("alice", "wrong"))
+    assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"  # other routes keep theirs
+    doc = httpx.get(guarded.url + "/openapi.json").json()
+    err = doc["paths"]["/sdapi/v1/options"]["get"]["responses"]["401"]["content"]["application/json"]["schema"]
+    assert err["required"] == ["error", "detail", "body", "errors"]

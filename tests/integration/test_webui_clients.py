@@ -62,16 +62,18 @@ def test_webuiapi_util_helpers_and_listings(svc):
     api.util_set_model(model["model_name"])  # finds the closest title and sets it
     assert api.util_get_current_model() == model["title"]
     assert next(iter(api.get_options())) == "sd_model_checkpoint"
+    # both backends list the webui's sampler names (menus are never empty); on the style network
+    # they all give the same picture, and it has no schedule type but the automatic one
+    names = set(api.util_get_sampler_names())
+    assert {"Euler a", "Euler", "DDIM", "DPM++ 2M", "UniPC", "LMS", "Heun", "PLMS"} <= names
+    assert all(set(s) == {"name", "aliases", "options"} for s in api.get_samplers())
     if svc.backend == "style":
-        assert api.util_get_sampler_names() == [] and api.util_get_scheduler_names() == []
+        assert api.util_get_scheduler_names() == ["automatic"]
     else:
-        names = set(api.util_get_sampler_names())
-        assert {"Euler a", "Euler", "DDIM", "DPM++ 2M", "UniPC", "LMS", "Heun", "PLMS"} <= names
         assert api.util_get_scheduler_names() == ["automatic", "karras"]
-        assert all(set(s) == {"name", "aliases", "options"} for s in api.get_samplers())
     api.util_wait_for_ready(check_interval=0.05)  # idle: returns at once
-    assert api.get_upscalers() == [{"name": "None", "model_name": None, "model_path": None, "model_url": None,
-                                    "scale": 4}]
+    assert api.get_upscalers() == [{"name": name, "model_name": None, "model_path": None, "model_url": None,
+                                    "scale": 4} for name in ("None", "Lanczos", "Nearest")]
     for empty in (api.get_loras, api.get_hypernetworks, api.get_face_restorers, api.get_realesrgan_models,
                   api.get_prompt_styles, api.get_sd_vae, api.get_latent_upscale_modes):
         assert empty() == [], empty.__name__
@@ -94,11 +96,12 @@ def test_sd_backend_client_discovery(svc):
     title = client(svc).util_get_current_model()
     assert ws.list_checkpoints() == [BackendOption(name=title.split(" [")[0], display_name=title)]
     assert ws.get_config()["sd_model_checkpoint"] == title
-    assert (ws.list_upscalers(), ws.list_vaes(), ws.list_loras(), ws.list_hypernetworks()) == ([], [], [], [])
+    assert [u.name for u in ws.list_upscalers()] == ["Lanczos", "Nearest"]
+    assert (ws.list_vaes(), ws.list_loras(), ws.list_hypernetworks()) == ([], [], [])
+    assert BackendOption(name="euler_ancestral", display_name="Euler a") in ws.list_samplers()
     if svc.backend == "style":
-        assert ws.list_samplers() == [] and ws.list_schedulers() == []
+        assert [s.display_name for s in ws.list_schedulers()] == ["Automatic"]
     else:
-        assert BackendOption(name="euler_ancestral", display_name="Euler a") in ws.list_samplers()
         assert [s.display_name for s in ws.list_schedulers()] == ["Automatic", "Karras"]
     caps = ws.get_capabilities()
     assert (caps.controlnet, caps.ultimate_upscale, caps.soft_inpainting, caps.interrogate) == (False,) * 4
