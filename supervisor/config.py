@@ -61,6 +61,9 @@ class SupervisorSettings(_Strict):
     health_host: str = Field("0.0.0.0", description="bind address of the probe port")
     health_port: int = Field(7860, ge=0, le=65535, description="probe port; 0 disables it")
     control_socket: str = Field(DEFAULT_CONTROL_SOCKET, description="unix socket for `onecard status`")
+    containment: Literal["auto", "cgroup2", "cgroup1", "process"] = Field(
+        "auto", description="how everything a service starts is kept and ended with it: a cgroup per service "
+        "(v2, else v1), else its process tree and environment marker; auto takes the first that works")
     run_dir: str | None = Field(None, description="the supervisor's private directory (0700): probe "
                                 "sockets, MPS pipes (default: the control socket's path + '.d')")
     sample_period_s: float = Field(5.0, gt=0, le=3600, description="CPU, memory and GPU sampling period "

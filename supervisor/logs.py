@@ -19,6 +19,8 @@ import threading
 import time
 from typing import IO, Callable
 
+from supervisor.early import quiet_thread
+
 MAX_LINE = 64 * 1024
 SUPERVISOR_TAG = "onecard"
 
@@ -99,6 +101,7 @@ class LogSink:
         self._thread.start()
 
     def _writer(self) -> None:
+        quiet_thread()
         while True:
             with self._cv:
                 while not self._buf and not self._unreported:

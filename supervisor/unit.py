@@ -14,15 +14,19 @@ import asyncio
 import collections
 import secrets
 import signal
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from supervisor import report
 from supervisor.child import ChildProcess
 from supervisor.clock import Clock, LoopClock, Timer
+from supervisor.descendants import Descendants
+from supervisor.early import quiet_thread
 from supervisor.endpoints import Endpoints
 from supervisor.watch import ServiceWatch
-from supervisor.lifecycle import (EXIT_SETUP, EXIT_SPAWN_FAILED,
-                                  EXIT_STARTUP_TIMEOUT, IGNORED_SIGNALS, INTERRUPT_SIGNALS, STOP_SIGNALS,
+from supervisor.lifecycle import (EXIT_SETUP, EXIT_SPAWN_FAILED, EXIT_STARTUP_TIMEOUT, HANDLED_SIGNALS,
+                                  IGNORED_SIGNALS, INTERRUPT_SIGNALS, STOP_SIGNALS,
                                   Action, Event, State, Unit, UnitEvent, UnitState)
 from supervisor.logs import LineSplitter, LogSink
 from supervisor.mpsrun import MpsRunner
@@ -34,7 +38,7 @@ from supervisor.sampler import Sampler
 if TYPE_CHECKING:
     from supervisor.config import Config
 
-HANDLED = STOP_SIGNALS + INTERRUPT_SIGNALS + (signal.SIGCHLD,)
+HANDLED = HANDLED_SIGNALS
 LOG_REPEAT_S = 10.0
 
 
@@ -74,6 +78,8 @@ class Supervisor:
         self._startup_timer: Timer | None = None
         self.endpoints = Endpoints(self)
         self.watch = ServiceWatch(self)
+        self.descendants = Descendants(self)
+        self._deadline_rechecked = False
         self._last_logged: dict[str, float] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -97,6 +103,7 @@ class Supervisor:
     async def run(self) -> int:
         loop = self.loop = asyncio.get_running_loop()
         loop.set_exception_handler(self._loop_exception)
+        loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="onecard-worker", initializer=quiet_thread))
         code = await self.endpoints.open()
         if code is not None:
             self.log.flush(2.0)
@@ -105,6 +112,10 @@ class Supervisor:
             loop.add_signal_handler(sig, self.handle_signal, sig)
         loop.add_signal_handler(signal.SIGCHLD, self.handle_sigchld)
         ignored = {sig: signal.signal(sig, signal.SIG_IGN) for sig in IGNORED_SIGNALS}
+        # Held since the first instruction of `onecard run` (early.py) and across the exec:
+        # whatever arrived meanwhile is delivered now, to the handlers, and queued.
+        self.os.release_signals(HANDLED)
+        survivors: set[int] = set()
         try:
             self.os.become_subreaper()
             self.os.raise_open_files_limit()
@@ -127,19 +138,27 @@ class Supervisor:
                 if timer is not None:
                     timer.cancel()
             self._kill_stragglers()
+            survivors = await self.descendants.end()
+            self._on_sigchld()
+            # From here to the process's exit a signal waits: a late one can neither replace
+            # the exit code chosen below nor cut the teardown and the last lines short.
+            self.os.hold_signals(HANDLED)
             for sig in HANDLED:
                 loop.remove_signal_handler(sig)
             for sig, old in ignored.items():
                 signal.signal(sig, old)
             self.sampler.stop()
             await self.endpoints.close()
-        code = self.unit.exit_code([c.exit_code for c in self.children if c.pid is not None])
+        code = self.unit.exit_code([c.exit_code for c in self.children if c.pid is not None],
+                                   self.descendants.killed_left, len(survivors))
         self.log.info(f"exit {code}: {self.unit.reason}")
         self.log.flush(2.0)
         return code
 
     async def _prepare(self) -> None:
-        """Before any service: every port free, then the MPS daemon (when on)."""
+        """Before any service: its containment (and the end of what an earlier run left,
+        which may hold the ports), every port free, then the MPS daemon (when on)."""
+        await self.descendants.prepare()
         problems = []
         for c in self.children:
             p = await asyncio.to_thread(self.port_check, c.plan.host, c.plan.port)
@@ -164,6 +183,8 @@ class Supervisor:
             self.apply(self.unit.fire(UnitEvent.FAIL, *args))
         elif kind == "spawn_services":
             self._spawn_services()
+        elif kind == "emptied":
+            args[0].fire(Event.EMPTIED)
         elif kind == "ready_probe":
             self.watch.on_ready_probe(*args)
         elif kind == "watch_probe":
@@ -206,6 +227,7 @@ class Supervisor:
                     child.fire(Event.TERM)
                     if was_alive:
                         self.os.kill_group(child.pid, signal.SIGTERM)
+                self.descendants.signal_all(self.children, signal.SIGTERM)
                 if self._grace_timer is None:
                     self._grace_timer = self.clock.call_later(self.settings.grace_s, lambda: self.put("grace"))
             elif action == Action.KILL:
@@ -214,6 +236,7 @@ class Supervisor:
                         child.killed = True
                     if child.pid is not None:
                         self.os.kill_group(child.pid, signal.SIGKILL)
+                self.descendants.signal_all(self.children, signal.SIGKILL)
                 if self.mps is not None:
                     self.mps.abort_start()
 
@@ -229,10 +252,10 @@ class Supervisor:
             return
         for child in self.children:
             child.token = secrets.token_hex(8)
-            env = {**child.plan.env, "ONECARD_INSTANCE_TOKEN": child.token}
+            env = {**child.plan.env, **self.descendants.env(), "ONECARD_INSTANCE_TOKEN": child.token}
             try:
-                spawned = self.os.spawn(child.plan.argv, env)
-            except OSError as exc:
+                spawned = self.os.spawn(child.plan.argv, env, join=self.descendants.join_path(child))
+            except (OSError, subprocess.SubprocessError) as exc:
                 reason = f"{child.name}: cannot start {child.plan.argv[0]!r}: {exc}"
                 self.log.error(reason)
                 self.apply(self.unit.fire(UnitEvent.FAIL, EXIT_SPAWN_FAILED, reason))
@@ -279,9 +302,19 @@ class Supervisor:
         self._exit_waiters[pid].append(fut)
         return fut
 
+    def reap_now(self) -> None:
+        self._on_sigchld()
+
     def _on_sigchld(self) -> None:
+        self.descendants.on_sigchld()
         for pid, status in self.os.reap():
             code = exit_code_of(status)
+            if pid == self.descendants.sentinel_pid:
+                self.descendants.sentinel_pid = None
+                if not self.unit.stopping:
+                    self.log.warning(f"containment: the sentinel exited with code {code}; if the supervisor is "
+                                     f"SIGKILLed now, what the services started is ended at the next start")
+                continue
             for fut in self._exit_waiters.pop(pid, []):
                 if not fut.done():
                     fut.set_result(code)
@@ -301,6 +334,7 @@ class Supervisor:
     def child_exited(self, child: ChildProcess, code: int) -> None:
         told = child.state == State.STOPPING
         child.fire(Event.EXITED)
+        self.descendants.on_exit(child)
         child.exit_code = code
         child.exited_at = self.clock.now()
         self.sampler.targets = {c.name: c.pid for c in self.children if c.alive}
@@ -327,14 +361,22 @@ class Supervisor:
             self._stop(UnitEvent.STOP, f"{name} received")
 
     def _on_grace(self) -> None:
+        self._on_sigchld()  # a frozen supervisor resumes with exits and the timer both due: exits first
         for child in self.children:
             if child.alive:
                 self.log.warning(f"{child.name}: still running {self.settings.grace_s:g} s after SIGTERM; SIGKILL")
         self.apply(self.unit.fire(UnitEvent.GRACE_EXPIRED))
 
     def _on_startup_deadline(self) -> None:
+        self._on_sigchld()
         late = [c for c in self.children if c.state in (State.PENDING, State.STARTING)]
         if self.unit.stopping or not late:
+            return
+        if not self._deadline_rechecked and any(c.state == State.STARTING for c in late):
+            # The last answers may be stale: a supervisor frozen (SIGSTOP) or starved past the
+            # deadline saw nothing meanwhile, and that time is not the services' fault.
+            self._deadline_rechecked = True
+            self.spawn_task(self._recheck_late(late))
             return
         for c in late:
             tail = "\n".join(f"    {line}" for line in c.tail.lines()[-10:]) or "    (no output)"
@@ -343,6 +385,15 @@ class Supervisor:
                            f"its last lines:\n{tail}")
         self.apply(self.unit.fire(UnitEvent.FAIL, EXIT_STARTUP_TIMEOUT,
                                    "start-up timeout: " + ", ".join(c.name for c in late)))
+
+    async def _recheck_late(self, late: list[ChildProcess]) -> None:
+        """One fresh /readyz of each late service, then the deadline is judged again."""
+        starting = [c for c in late if c.state == State.STARTING]
+        answers = await asyncio.gather(*(self.probes.get(c, "/readyz", self.settings.liveness_timeout_s)
+                                         for c in starting))
+        for c, r in zip(starting, answers):
+            self.put("ready_probe", c, r)
+        self.put("startup_deadline")
 
     def view(self, sample=None) -> report.UnitView:
         return report.UnitView(

@@ -240,7 +240,18 @@ class SupervisorRun:
                 p.wait(timeout=2)
             except (psutil.Error, subprocess.TimeoutExpired):
                 pass
+        remove_unit_cgroups(self.socket)
         self._log.close()
+
+
+def remove_unit_cgroups(control_socket: str) -> None:
+    """The empty cgroups a run killed with its sentinel (SIGKILL of the whole tree) leaves: a
+    next run on the same socket would remove them; tests use a new socket each time."""
+    from supervisor.containment import hierarchy_base, remove_tree, unit_key
+    for kind in ("cgroup2", "cgroup1"):
+        found = hierarchy_base(kind)
+        if found is not None:
+            remove_tree(found[0] / f"onecard.{unit_key(control_socket)}")
 
 
 def http_get(port: int, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
