@@ -36,6 +36,7 @@ class Descendants:
         self._sentinel_fd: int | None = None
         self._nudge: asyncio.Future | None = None
         self._watching = False
+        self._prepared: asyncio.Future | None = None
         self.killed_left = 0   # processes SIGKILLed after their service's main process exited
 
     def env(self) -> dict[str, str]:
@@ -46,7 +47,13 @@ class Descendants:
 
     # ---- start ----------------------------------------------------------------------------
     async def prepare(self) -> None:
-        """Before any service: the containment, what an earlier run left, the sentinel."""
+        """Before any service: the containment, what an earlier run left, the sentinel.
+        Shielded: a stop that comes meanwhile lets it finish (end() waits for it), so that
+        no cgroup or sentinel appears after the last sweep."""
+        self._prepared = asyncio.ensure_future(self._prepare())
+        await asyncio.shield(self._prepared)
+
+    async def _prepare(self) -> None:
         sup = self.sup
         names = [c.name for c in sup.children]
         mode = getattr(sup.settings, "containment", "auto")
@@ -141,6 +148,8 @@ class Descendants:
         """The last sweep: SIGKILL whatever of the unit is still alive (its services'
         processes, orphans adopted by the subreaper); the pids that survived even that."""
         sup = self.sup
+        if self._prepared is not None and not self._prepared.done():
+            await asyncio.wait({self._prepared}, timeout=10.0)
         survivors = await asyncio.to_thread(self._sweep)
         if survivors:
             sup.log.error(f"{len(survivors)} process(es) the unit started are still alive after SIGKILL: "

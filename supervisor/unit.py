@@ -355,8 +355,9 @@ class Supervisor:
                 self.apply(self.unit.fire(UnitEvent.INTERRUPT))
             else:
                 self._stop(UnitEvent.INTERRUPT, f"{name} received")
-        elif self.unit.stopping:
-            self.log.info(f"{name} received while stopping: still waiting (a second SIGINT skips the wait)")
+        elif self.unit.stopping:  # a storm of them is one line every LOG_REPEAT_S
+            self.log_once(f"signal-while-stopping:{name}", "info",
+                          f"{name} received while stopping: still waiting (a second SIGINT skips the wait)")
         else:
             self._stop(UnitEvent.STOP, f"{name} received")
 

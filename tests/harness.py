@@ -116,13 +116,24 @@ class SupervisorRun:
         self.seen: dict[int, psutil.Process] = {}
         self.returncode: int | None = None
 
-    def start(self) -> "SupervisorRun":
+    def start(self, stdio: str = "log") -> "SupervisorRun":
+        """stdio: "log" (stdout and stderr to supervisor.log), "closed" (fds 1 and 2 closed, as
+        `onecard run >&- 2>&-` leaves them), or a path to open for both (/dev/full)."""
         self._log = open(self.log_path, "wb")
+        out = self._log if stdio in ("log", "closed") else open(stdio, "wb")
+
+        def close_stdio() -> None:
+            os.close(1)
+            os.close(2)
+
         self.proc = subprocess.Popen(
             [*self.prefix, sys.executable, "-m", "supervisor", "run", "--config", str(self.config), *self.extra_args],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT), **self.env},
+            preexec_fn=close_stdio if stdio == "closed" else None,
         )
+        if out is not self._log:
+            out.close()
         self.seen[self.proc.pid] = psutil.Process(self.proc.pid)
         return self
 
