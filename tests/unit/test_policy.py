@@ -240,6 +240,30 @@ def test_only_our_childs_answers_count(result, ours):
     assert got.ok is ours and got.foreign is (not ours)
 
 
-def test_a_listener_in_the_tree_makes_an_anonymous_answer_ours_once_checked():
+def test_a_listener_in_the_tree_makes_an_anonymous_answer_ours():
     got, child = _identity_case(ProbeResult(200, b"{}", via="tcp"), listeners={51})
-    assert got.ok and child.listener_verified
+    assert got.ok
+
+
+def test_every_anonymous_answer_is_checked_not_only_the_first():
+    """The server dies and another process takes the port: the next answer is foreign."""
+    from supervisor.child import ChildProcess
+    from supervisor.plan import ServicePlan
+    from supervisor.probe import ChildProber
+
+    listeners = {51}
+
+    async def prober(target, path, timeout, max_body):
+        return ProbeResult(200, b"{}", via="tcp")
+
+    child = ChildProcess(ServicePlan("svc", "127.0.0.1", 9000, ["x"], {}, {}, 1), pid=50, token="t")
+    p = ChildProber(prober, tree_pids=lambda pid: {50, 51}, listener_pids=lambda port, pids: listeners & pids)
+
+    async def twice():
+        first = await p.get(child, "/healthz", 1.0)
+        listeners.clear()   # our server (51) is gone; someone outside the tree listens now
+        return first, await p.get(child, "/healthz", 1.0)
+
+    first, second = asyncio.run(twice())
+    assert first.ok and not second.ok and second.foreign
+    assert "no process of the service's tree listens on port 9000" in second.error
