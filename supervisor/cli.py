@@ -102,7 +102,8 @@ def check(
            f"stop  service drain {'/'.join(f'{d:g}' for d in drains)} s < supervisor grace {s.grace_s:g} s "
            f"< orchestrator: terminationGracePeriodSeconds (docker stop --time) at least "
            f"{termination_grace_min(cfg):g} s",
-           f"probes  http://{s.health_host}:{s.health_port}/healthz /readyz /metrics"
+           f"probes  http://{s.health_host or '*'}:{s.health_port}/healthz /readyz /metrics"
+           + (" (every interface, IPv4 and IPv6)" if not s.health_host else "")
            if s.health_port else "probes  disabled (health_port = 0)",
            f"control  {s.control_socket} (run directory {plan.run_dir})",
            f"gpu  CUDA_VISIBLE_DEVICES={cfg.gpu.visible_devices}, MPS "

@@ -24,7 +24,9 @@ FAKE_APP = "tests.children.fake_app:create_app"
 
 
 PORT_BLOCK = 500
-_next_port = [0]
+# Where in its block a process starts: another test run on the same machine (a second
+# checkout, say) walks the same blocks, and starting at the same port would collide.
+_next_port = [os.getpid() * 7 % PORT_BLOCK]
 
 
 def _ephemeral_low() -> int:
