@@ -280,10 +280,10 @@ class Supervisor:
         done = loop.create_future()
         sink = tail if tail is not None else (child.tail if child is not None else None)
 
-        def on_line(text: str) -> None:
+        def on_lines(texts: list[str]) -> None:
             if sink is not None:
-                sink.add(text)
-            self.log.line(tag, text)
+                sink.extend(texts)
+            self.log.lines(tag, texts)
 
         def on_eof() -> None:
             if child is not None:
@@ -294,7 +294,7 @@ class Supervisor:
         if child is not None:
             child.output_open = True
         pipe = open(fd, "rb", buffering=0, closefd=True)
-        self.spawn_task(loop.connect_read_pipe(lambda: LineSplitter(on_line, on_eof), pipe))
+        self.spawn_task(loop.connect_read_pipe(lambda: LineSplitter(on_lines, on_eof), pipe))
         return done
 
     def wait_exit(self, pid: int) -> asyncio.Future:
