@@ -12,6 +12,8 @@ from supervisor import report
 from supervisor.child import ChildProcess
 from supervisor.lifecycle import EXIT_LIVENESS, Event, State, UnitEvent
 
+LATE_SLACK_S = 1.0  # a probe round this much past its timeout means the supervisor itself stood still
+
 
 class ServiceWatch:
     def __init__(self, sup: Any):
@@ -25,12 +27,23 @@ class ServiceWatch:
                 await self.sup.clock.sleep(s.readiness_period_s)
                 continue
             await self.sup.clock.sleep(s.liveness_period_s)
-            if not child.probing or self.sup.unit.stopping:
+            while child.probing and not self.sup.unit.stopping:
+                began = self.sup.clock.now()
+                answers = await asyncio.gather(
+                    self.sup.probes.get(child, "/healthz", s.liveness_timeout_s),
+                    self.sup.probes.get(child, "/readyz", s.liveness_timeout_s),
+                    self.sup.probes.get(child, "/stats", s.liveness_timeout_s))
+                if self.sup.clock.now() - began <= s.liveness_timeout_s + LATE_SLACK_S or all(a.ok for a in answers):
+                    self.sup.put("watch_probe", child, *answers)
+                    break
+                # A round cannot outlast its timeout unless this process did not run (frozen
+                # with SIGSTOP, starved): what it saw is no evidence against the service.
+                self.sup.log_once(f"late-round:{child.name}", "warning",
+                                  f"{child.name}: a probe round took {self.sup.clock.now() - began:.1f} s, past its "
+                                  f"{s.liveness_timeout_s:g} s timeout (the supervisor was frozen or starved); "
+                                  f"probing again before counting a miss")
+            else:
                 return
-            self.sup.put("watch_probe", child, *await asyncio.gather(
-                self.sup.probes.get(child, "/healthz", s.liveness_timeout_s),
-                self.sup.probes.get(child, "/readyz", s.liveness_timeout_s),
-                self.sup.probes.get(child, "/stats", s.liveness_timeout_s)))
 
     def on_ready_probe(self, child: ChildProcess, r) -> None:
         if not child.probing or self.sup.unit.stopping:

@@ -116,6 +116,26 @@ def test_a_startup_deadline_still_fails_a_service_that_is_not_ready(tmp_path):
     assert script.calls[("a", "/readyz")] >= 2
 
 
+def test_a_liveness_round_that_outlasted_its_timeout_is_probed_again_not_counted(tmp_path):
+    """A frozen supervisor's in-flight probes time out when it resumes: not a miss."""
+    s, fake, clock, script, out = make(tmp_path, liveness_failures=1, liveness_timeout_s=1.0)
+
+    def healthz(n):
+        return _late(clock, 5.0) if n == 2 else 200
+
+    script.set("a", "/healthz", healthz)
+    code = history(s, clock, [0.5, 1.0, 6.0, 1.0, lambda: s.handle_signal(signal.SIGTERM)])
+    assert code == 0, text(out)
+    assert "a: a probe round took 5.0 s, past its 1 s timeout" in text(out)
+    assert script.calls[("a", "/healthz")] >= 3
+
+
+def test_a_liveness_miss_within_its_timeout_still_counts(tmp_path):
+    s, fake, clock, script, out = make(tmp_path, liveness_failures=1, liveness_timeout_s=1.0)
+    script.set("a", "/healthz", lambda n: ProbeResult(None, error="no answer within 1 s") if n >= 2 else 200)
+    assert history(s, clock, [0.5, 1.0, 1.0, 1.0]) == 4
+
+
 async def _late(clock, delay):
     await clock.sleep(delay)
     return ProbeResult(None, error=f"no answer within {delay:g} s")
