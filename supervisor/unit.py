@@ -25,10 +25,11 @@ from supervisor.descendants import Descendants
 from supervisor.early import quiet_thread
 from supervisor.endpoints import Endpoints
 from supervisor.watch import ServiceWatch
-from supervisor.lifecycle import (EXIT_SETUP, EXIT_SPAWN_FAILED, EXIT_STARTUP_TIMEOUT, HANDLED_SIGNALS,
+from supervisor.lifecycle import (EXIT_SETUP, EXIT_SPAWN_FAILED, HANDLED_SIGNALS,
                                   IGNORED_SIGNALS, INTERRUPT_SIGNALS, STOP_SIGNALS,
                                   Action, Event, State, Unit, UnitEvent, UnitState)
-from supervisor.logs import LineSplitter, LogSink
+from supervisor.logs import LogSink
+from supervisor.output import ChildOutput
 from supervisor.mpsrun import MpsRunner
 from supervisor.oslayer import OsLayer, exit_code_of
 from supervisor.plan import Plan
@@ -79,7 +80,7 @@ class Supervisor:
         self.endpoints = Endpoints(self)
         self.watch = ServiceWatch(self)
         self.descendants = Descendants(self)
-        self._deadline_rechecked = False
+        self.output = ChildOutput(self)
         self._last_logged: dict[str, float] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -130,7 +131,7 @@ class Supervisor:
             while self.unit.state != UnitState.DONE:
                 self._dispatch(await self._events.get())
                 self._progress()
-            await self._drain_output()
+            await self.output.drain(self._events, self._on_sigchld)
         finally:
             for task in list(self._tasks):
                 task.cancel()
@@ -190,7 +191,7 @@ class Supervisor:
         elif kind == "watch_probe":
             self.watch.on_watch(*args)
         elif kind == "startup_deadline":
-            self._on_startup_deadline()
+            self.watch.on_startup_deadline()
         elif kind == "grace":
             self._on_grace()
         elif kind == "stop_request":
@@ -275,27 +276,7 @@ class Supervisor:
 
     def attach_output(self, tag: str, fd: int, child: ChildProcess | None = None,
                       tail: Any = None) -> asyncio.Future:
-        """Read a child's pipe to its end, tagging each line; the future is done at EOF."""
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        sink = tail if tail is not None else (child.tail if child is not None else None)
-
-        def on_lines(texts: list[str]) -> None:
-            if sink is not None:
-                sink.extend(texts)
-            self.log.lines(tag, texts)
-
-        def on_eof() -> None:
-            if child is not None:
-                child.output_open = False
-            if not done.done():
-                done.set_result(None)
-
-        if child is not None:
-            child.output_open = True
-        pipe = open(fd, "rb", buffering=0, closefd=True)
-        self.spawn_task(loop.connect_read_pipe(lambda: LineSplitter(on_lines, on_eof), pipe))
-        return done
+        return self.output.attach(tag, fd, child, tail)
 
     def wait_exit(self, pid: int) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
@@ -368,34 +349,6 @@ class Supervisor:
                 self.log.warning(f"{child.name}: still running {self.settings.grace_s:g} s after SIGTERM; SIGKILL")
         self.apply(self.unit.fire(UnitEvent.GRACE_EXPIRED))
 
-    def _on_startup_deadline(self) -> None:
-        self._on_sigchld()
-        late = [c for c in self.children if c.state in (State.PENDING, State.STARTING)]
-        if self.unit.stopping or not late:
-            return
-        if not self._deadline_rechecked and any(c.state == State.STARTING for c in late):
-            # The last answers may be stale: a supervisor frozen (SIGSTOP) or starved past the
-            # deadline saw nothing meanwhile, and that time is not the services' fault.
-            self._deadline_rechecked = True
-            self.spawn_task(self._recheck_late(late))
-            return
-        for c in late:
-            tail = "\n".join(f"    {line}" for line in c.tail.lines()[-10:]) or "    (no output)"
-            why = f" (last probe: {c.last_probe_error})" if c.last_probe_error else ""
-            self.log.error(f"{c.name} not ready after {self.settings.startup_timeout_s:g} s{why}; "
-                           f"its last lines:\n{tail}")
-        self.apply(self.unit.fire(UnitEvent.FAIL, EXIT_STARTUP_TIMEOUT,
-                                   "start-up timeout: " + ", ".join(c.name for c in late)))
-
-    async def _recheck_late(self, late: list[ChildProcess]) -> None:
-        """One fresh /readyz of each late service, then the deadline is judged again."""
-        starting = [c for c in late if c.state == State.STARTING]
-        answers = await asyncio.gather(*(self.probes.get(c, "/readyz", self.settings.liveness_timeout_s)
-                                         for c in starting))
-        for c, r in zip(starting, answers):
-            self.put("ready_probe", c, r)
-        self.put("startup_deadline")
-
     def view(self, sample=None) -> report.UnitView:
         return report.UnitView(
             pid=self.os.getpid(), unit=self.unit, now=self.clock.now(), started_at=self.started_at,
@@ -420,20 +373,6 @@ class Supervisor:
             f": {type(exc).__name__}: {exc}" if exc is not None else ""))
 
     # ---- the end ------------------------------------------------------------------------------
-    async def _drain_output(self) -> None:
-        """Wait (bounded) for every child's last lines; a grandchild may hold the pipe."""
-        deadline = self.clock.now() + 2.0
-        while any(c.output_open for c in self.children):
-            left = deadline - self.clock.now()
-            if left <= 0:
-                break
-            try:
-                event = await asyncio.wait_for(self._events.get(), min(left, 0.1))
-            except asyncio.TimeoutError:
-                continue
-            if event[0] == "sigchld":
-                self._on_sigchld()
-
     def _kill_stragglers(self) -> None:
         for child in self.children:
             if child.pid is not None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from supervisor import report
 from supervisor.child import ChildProcess
-from supervisor.lifecycle import EXIT_LIVENESS, Event, State, UnitEvent
+from supervisor.lifecycle import EXIT_LIVENESS, EXIT_STARTUP_TIMEOUT, Event, State, UnitEvent
 
 LATE_SLACK_S = 1.0  # a probe round this much past its timeout means the supervisor itself stood still
 
@@ -18,6 +18,7 @@ LATE_SLACK_S = 1.0  # a probe round this much past its timeout means the supervi
 class ServiceWatch:
     def __init__(self, sup: Any):
         self.sup = sup  # the driver (unit.Supervisor)
+        self._deadline_rechecked = False
 
     async def probe_loop(self, child: ChildProcess) -> None:
         s = self.sup.settings
@@ -82,3 +83,34 @@ class ServiceWatch:
             self.sup.log.warning(f"{child.name}: not ready: {ready.error or f'/readyz answered {ready.status}'}")
         elif before == State.NOT_READY and after == State.READY:
             self.sup.log.info(f"{child.name}: ready again")
+
+    # ---- the start-up deadline ---------------------------------------------------------------
+    def on_startup_deadline(self) -> None:
+        sup = self.sup
+        sup.reap_now()  # a frozen supervisor resumes with exits and the timer both due: exits first
+        late = [c for c in sup.children if c.state in (State.PENDING, State.STARTING)]
+        if sup.unit.stopping or not late:
+            return
+        if not self._deadline_rechecked and any(c.state == State.STARTING for c in late):
+            # The last answers may be stale: a supervisor frozen (SIGSTOP) or starved past the
+            # deadline saw nothing meanwhile, and that time is not the services' fault.
+            self._deadline_rechecked = True
+            sup.spawn_task(self._recheck_late(late))
+            return
+        for c in late:
+            tail = "\n".join(f"    {line}" for line in c.tail.lines()[-10:]) or "    (no output)"
+            why = f" (last probe: {c.last_probe_error})" if c.last_probe_error else ""
+            sup.log.error(f"{c.name} not ready after {sup.settings.startup_timeout_s:g} s{why}; "
+                          f"its last lines:\n{tail}")
+        sup.apply(sup.unit.fire(UnitEvent.FAIL, EXIT_STARTUP_TIMEOUT,
+                                "start-up timeout: " + ", ".join(c.name for c in late)))
+
+    async def _recheck_late(self, late: list[ChildProcess]) -> None:
+        """One fresh /readyz of each late service, then the deadline is judged again."""
+        sup = self.sup
+        starting = [c for c in late if c.state == State.STARTING]
+        answers = await asyncio.gather(*(sup.probes.get(c, "/readyz", sup.settings.liveness_timeout_s)
+                                         for c in starting))
+        for c, r in zip(starting, answers):
+            sup.put("ready_probe", c, r)
+        sup.put("startup_deadline")

@@ -394,6 +394,13 @@ def test_a_command_service_without_identity_is_ours_when_it_holds_its_port(tmp_p
         assert run.wait_exit(10) == 0
 
 
+def _dead(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def test_every_probe_answer_of_a_command_service_is_checked_not_only_the_first(tmp_path):
     """A wrapper whose server dies while the wrapper lives on, and another process takes the
     port: its answers are not the service's, so liveness fails (4)."""
@@ -402,7 +409,9 @@ def test_every_probe_answer_of_a_command_service_is_checked_not_only_the_first(t
     svc = {"command": ["sh", "-c", f"{sys.executable} {server} {port} {pidfile}; sleep 600"], "port": port}
     with SupervisorRun(tmp_path, {"wrapped": svc}) as run:
         run.wait_ready()
-        os.kill(int(pidfile.read_text()), signal.SIGKILL)
+        server = psutil.Process(int(pidfile.read_text()))
+        server.kill()
+        run.wait_for("the server to be gone", lambda: _dead(server))  # its socket closed with it
         with ForeignServer(port):
             assert run.wait_exit(20) == 4, run.output()
         out = run.output()

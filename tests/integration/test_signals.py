@@ -119,7 +119,7 @@ def test_a_signal_storm_during_a_stop_never_replaces_the_exit_code(tmp_path, cra
             stormer.join()
         out = run.output()
         assert code == (7 if crash else 0), out
-        assert (f"exit 7: b exited with code 7" if crash else "exit 0: SIGTERM received") in out
+        assert ("exit 7: b exited with code 7" if crash else "exit 0: SIGTERM received") in out
         assert not os.path.exists(run.socket)  # removed on this path too
         assert run.wait_no_leftovers() == []
 
