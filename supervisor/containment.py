@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.proctable import RUN_VAR, UNIT_VAR, alive, cmdline, kill_each, marked, read_file, tree
+from supervisor.proctable import RUN_VAR, UNIT_VAR, alive, cmdline, environ, kill_each, marked, read_file, tree
 
 MODES = ("auto", "cgroup2", "cgroup1", "process")
 KILL_ROUNDS = 50            # SIGKILL passes before giving up on a subtree
@@ -55,6 +55,24 @@ class Marker:
 
     def env(self) -> dict[str, str]:
         return {UNIT_VAR: self.unit, RUN_VAR: self.run}
+
+
+def new_run_id() -> str:
+    """This supervisor's pid and start time: unique, and tells whether that run's
+    supervisor is still alive (run_alive)."""
+    return f"{os.getpid()}.{_start_time(os.getpid())}"
+
+
+def _start_time(pid: int) -> str:
+    stat = read_file(f"/proc/{pid}/stat") or ""
+    fields = stat.rpartition(")")[2].split()
+    return fields[19] if len(fields) > 19 else "0"  # field 22 of stat: start time in clock ticks
+
+
+def run_alive(run: str) -> bool:
+    """The supervisor of that run still runs (here: same pid namespace, same boot)."""
+    pid, _, started = run.partition(".")
+    return pid.isdigit() and alive(int(pid)) and _start_time(int(pid)) == started
 
 
 # ---- cgroup hierarchies -----------------------------------------------------------------
@@ -321,7 +339,7 @@ def leftovers(marker: Marker) -> tuple[list[Leftover], list[tuple[Path, str]]]:
             continue
         unit_dir = base[0] / f"onecard.{marker.unit}"
         try:
-            runs = [d for d in unit_dir.iterdir() if d.is_dir() and d.name != marker.run]
+            runs = [d for d in unit_dir.iterdir() if d.is_dir() and d.name != marker.run and not run_alive(d.name)]
         except OSError:
             continue
         for d in runs:
@@ -329,7 +347,8 @@ def leftovers(marker: Marker) -> tuple[list[Leftover], list[tuple[Path, str]]]:
             for pid in _procs(d):
                 found.setdefault(pid, Leftover(pid, cmdline(pid), f"cgroup {d}"))
     for pid in marked(marker.unit, not_run=marker.run):
-        found.setdefault(pid, Leftover(pid, cmdline(pid), f"environment {UNIT_VAR}={marker.unit}"))
+        if not run_alive(environ(pid).get(RUN_VAR, "")):  # never a live supervisor's process
+            found.setdefault(pid, Leftover(pid, cmdline(pid), f"environment {UNIT_VAR}={marker.unit}"))
     return sorted(found.values(), key=lambda x: x.pid), dirs
 
 
@@ -339,7 +358,8 @@ def end_leftovers(marker: Marker, found: list[Leftover], dirs: list[tuple[Path, 
         kill_cgroup(d, kind)
     pids = {x.pid for x in found}
     for _ in range(KILL_ROUNDS):
-        pids = {p for p in pids if alive(p)} | marked(marker.unit, not_run=marker.run)
+        pids = {p for p in pids if alive(p)} | {p for p in marked(marker.unit, not_run=marker.run)
+                                                 if not run_alive(environ(p).get(RUN_VAR, ""))}
         if not pids:
             break
         kill_each(pids, signal.SIGKILL)

@@ -11,12 +11,11 @@ alive. Every look at /proc or /sys runs in a worker thread.
 from __future__ import annotations
 
 import asyncio
-import secrets
 import signal
 from typing import TYPE_CHECKING
 
 from supervisor.child import ChildProcess
-from supervisor.containment import Containment, Marker, unit_key
+from supervisor.containment import Containment, Marker, new_run_id, unit_key
 from supervisor.lifecycle import Event, State
 
 if TYPE_CHECKING:
@@ -30,7 +29,7 @@ SWEEP_WAIT_S = 2.0     # then this long for SIGKILLed processes to vanish
 class Descendants:
     def __init__(self, sup: "Supervisor"):
         self.sup = sup
-        self.marker = Marker(unit_key(sup.settings.control_socket), secrets.token_hex(6))
+        self.marker = Marker(unit_key(sup.settings.control_socket), new_run_id())
         self.containment: Containment | None = None
         self.sentinel_pid: int | None = None
         self._sentinel_fd: int | None = None

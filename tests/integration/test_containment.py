@@ -192,3 +192,20 @@ def test_the_next_start_ends_what_a_dead_unit_left_and_says_so(tmp_path, mode):
                 assert second.wait_exit(15) == 0
         finally:
             kill_quietly(pid)
+
+
+def test_a_second_start_never_ends_the_processes_of_a_supervisor_that_is_alive(tmp_path):
+    """Its control socket deleted (it makes it again only at its next sampling), a live unit
+    is not 'what an earlier run left': the second start leaves it alone and stops at the
+    taken port (78)."""
+    port, pidfile = free_port(), tmp_path / "server.pid"
+    services = {"wrapped": wrapper(port, pidfile)}
+    with SupervisorRun(tmp_path, services, sample_period_s=60.0) as first:
+        first.wait_ready()
+        pid = server_pid(first, pidfile)
+        os.unlink(first.socket)
+        with SupervisorRun(tmp_path, services) as second:
+            assert second.wait_exit(20) == 78, second.output()
+            assert "left" not in second.output()
+        assert psutil.Process(pid).is_running() and first.proc.poll() is None
+        assert http_get(port, "/readyz")[0] == 200
