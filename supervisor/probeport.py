@@ -108,11 +108,12 @@ class HealthServer:
             self._server = None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        before = self.refused
         if not self.slots.admit(writer):
             self.on_refused(self.refused)
             writer.transport.abort()
             return
-        if self.slots.closed_early:
+        if self.refused != before:  # an idle one made room
             self.on_refused(self.refused)
         try:
             answer, method = await self._answer(reader, writer)

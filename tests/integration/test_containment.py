@@ -123,10 +123,11 @@ def test_a_service_that_dies_leaving_a_detached_daemon_takes_it_down_with_the_un
             kill_quietly(pid)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [m for m in MODES if m.values[0] == "process"])
 def test_an_adopted_orphan_that_dropped_the_marker_is_ended_before_the_unit_exits(tmp_path, mode):
     """A daemon that detached and cleared its environment: in process mode nothing names its
-    service any more, but it was re-parented to the supervisor (the subreaper)."""
+    service any more, but it was re-parented to the supervisor (the subreaper). (A cgroup
+    holds it whatever its environment.)"""
     port, pidfile = free_port(), tmp_path / "server.pid"
     svc = wrapper(port, pidfile, "detach", "bare-env", then=f"while [ ! -s {pidfile} ]; do sleep 0.05; done; exit 3")
     with SupervisorRun(tmp_path, {"leaver": svc}, containment=mode) as run:
@@ -151,14 +152,9 @@ def test_a_sigkilled_supervisor_leaves_no_server_behind(tmp_path, mode):
             run.wait_exit(5)
             assert gone(pid), "the server outlived its SIGKILLed supervisor"
             assert run.wait_no_leftovers(5) == []  # the sentinel too, once its work is done
+            assert port_free(port)
         finally:
             kill_quietly(pid)
-    pidfile.unlink()
-    with SupervisorRun(tmp_path, services, containment=mode) as again:  # the port is free again
-        again.wait_ready()
-        assert "left" not in again.output()
-        again.signal(signal.SIGTERM)
-        assert again.wait_exit(15) == 0
 
 
 @pytest.mark.parametrize("mode", MODES)

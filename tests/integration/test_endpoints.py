@@ -12,8 +12,6 @@ import sys
 import threading
 import time
 
-import pytest
-
 from supervisor.status import Unreachable, fetch
 from tests.harness import ROOT, SupervisorRun, fake_service, http_get
 
@@ -142,7 +140,7 @@ def _raw(port: int, data: bytes, timeout: float = 5.0) -> tuple[int, dict, dict]
     return int(lines[0].split()[1]), headers, json.loads(body) if body else {}
 
 
-@pytest.mark.parametrize("request_bytes,status,code", [
+NOT_PROBES = [
     (b"POST /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", 405, "method_not_allowed"),
     (b"DELETE /readyz HTTP/1.1\r\nHost: x\r\n\r\n", 405, "method_not_allowed"),
     (b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n", 404, "not_found"),
@@ -150,16 +148,19 @@ def _raw(port: int, data: bytes, timeout: float = 5.0) -> tuple[int, dict, dict]
     (b"GET /healthz HTTP/1.1\r\nX-Endless: " + b"a" * 9000, 431, "headers_too_large"),  # no line end at all
     (b"NONSENSE\r\n\r\n", 400, "bad_request"),
     (b"GET /healthz HTTP/1.1\r\nHost: x\r\n", 408, "request_timeout"),  # started, never finished
-])
-def test_the_probe_port_answers_what_is_not_a_probe_in_json(tmp_path, request_bytes, status, code):
+]
+
+
+def test_the_probe_port_answers_what_is_not_a_probe_in_json(tmp_path):
     with SupervisorRun(tmp_path, {"a": fake_service()}, health_idle_timeout_s=0.5) as run:
         run.wait_ready()
-        got, headers, body = _raw(run.health_port, request_bytes)
-        assert got == status
-        assert headers["content-type"] == "application/json"
-        assert body["error"]["code"] == code and body["error"]["message"]
-        if status == 405:
-            assert headers["allow"] == "GET, HEAD"
+        for request_bytes, status, code in NOT_PROBES:
+            got, headers, body = _raw(run.health_port, request_bytes)
+            assert got == status, request_bytes[:40]
+            assert headers["content-type"] == "application/json"
+            assert body["error"]["code"] == code and body["error"]["message"]
+            if status == 405:
+                assert headers["allow"] == "GET, HEAD"
         assert http_get(run.health_port, "/healthz")[0] == 200
         run.signal(signal.SIGTERM)
         assert run.wait_exit(10) == 0
