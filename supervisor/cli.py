@@ -58,7 +58,10 @@ def _load(config: Optional[str], sets: List[str]):
             if problem:
                 raise ConfigError(f"{source.path}: gpu.mps: {problem}")
     except ConfigError as exc:
-        typer.echo(f"onecard: configuration error\n{exc}", err=True)
+        try:
+            typer.echo(f"onecard: configuration error\n{exc}", err=True)
+        except OSError:  # stderr unusable: the exit code still says what happened
+            pass
         raise typer.Exit(ConfigError.exit_code)
     return source.path, cfg, plan
 

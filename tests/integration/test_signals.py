@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from tests.harness import SupervisorRun, fake_service, http_get
+from tests.harness import ROOT, SupervisorRun, fake_service, http_get
 
 SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
 
@@ -180,3 +180,23 @@ def test_a_supervisor_frozen_past_its_startup_timeout_probes_again_before_judgin
         assert "not ready after" not in run.output()
         run.signal(signal.SIGTERM)
         assert run.wait_exit(15) == 0
+
+
+@pytest.mark.parametrize("stdio", ["closed", "/dev/full"])
+def test_a_config_error_with_unusable_stderr_still_exits_2(tmp_path, stdio):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[supervisor]\ngrace_s = -1\n")
+    out = open(stdio, "wb") if stdio != "closed" else subprocess.DEVNULL
+
+    def close_stdio():
+        if stdio == "closed":
+            os.close(1)
+            os.close(2)
+
+    try:
+        r = subprocess.run([sys.executable, "-m", "supervisor", "run", "--config", str(bad)], cwd=ROOT, stdout=out,
+                           stderr=out, preexec_fn=close_stdio, timeout=60)
+    finally:
+        if stdio != "closed":
+            out.close()
+    assert r.returncode == 2
