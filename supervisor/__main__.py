@@ -1,3 +1,22 @@
-from supervisor.cli import main
+"""`onecard` and `python -m supervisor`: the first thing either runs (early.py), then the CLI."""
 
-main()
+import sys
+
+
+def main() -> None:
+    from supervisor.early import command_of, prepare
+    prepare(sys.argv)
+    try:
+        if command_of(sys.argv) in ("status", "stop") and sys.argv[1] in ("status", "stop"):
+            from supervisor.quickcli import run
+            code = run(sys.argv[1:])
+            if code is not None:
+                sys.exit(code)
+        from supervisor.cli import main as cli_main
+        cli_main()
+    except KeyboardInterrupt:  # Ctrl-C in a command that has no use for it: no traceback
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

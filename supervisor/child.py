@@ -26,7 +26,6 @@ class ChildProcess:
     last_probe_error: str = ""
     output_open: bool = False
     killed: bool = False                # we had to SIGKILL it
-    listener_verified: bool = False     # its port's listener was seen in its process tree
     tail: Tail = field(default_factory=Tail)
     stats: dict[str, Any] = field(default_factory=dict)  # what the service reports on /stats
     jobs: dict[str, Any] | None = None  # the service's /stats "jobs" section, passed through

@@ -58,7 +58,10 @@ def _load(config: Optional[str], sets: List[str]):
             if problem:
                 raise ConfigError(f"{source.path}: gpu.mps: {problem}")
     except ConfigError as exc:
-        typer.echo(f"onecard: configuration error\n{exc}", err=True)
+        try:
+            typer.echo(f"onecard: configuration error\n{exc}", err=True)
+        except OSError:  # stderr unusable: the exit code still says what happened
+            pass
         raise typer.Exit(ConfigError.exit_code)
     return source.path, cfg, plan
 
@@ -102,7 +105,8 @@ def check(
            f"stop  service drain {'/'.join(f'{d:g}' for d in drains)} s < supervisor grace {s.grace_s:g} s "
            f"< orchestrator: terminationGracePeriodSeconds (docker stop --time) at least "
            f"{termination_grace_min(cfg):g} s",
-           f"probes  http://{s.health_host}:{s.health_port}/healthz /readyz /metrics"
+           f"probes  http://{s.health_host or '*'}:{s.health_port}/healthz /readyz /metrics"
+           + (" (every interface, IPv4 and IPv6)" if not s.health_host else "")
            if s.health_port else "probes  disabled (health_port = 0)",
            f"control  {s.control_socket} (run directory {plan.run_dir})",
            f"gpu  CUDA_VISIBLE_DEVICES={cfg.gpu.visible_devices}, MPS "

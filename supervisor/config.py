@@ -58,9 +58,21 @@ class SupervisorSettings(_Strict):
     liveness_period_s: float = Field(5.0, gt=0, le=3600, description="/healthz probe period once ready")
     liveness_timeout_s: float = Field(2.0, gt=0, le=600, description="one probe's time limit")
     liveness_failures: int = Field(3, ge=1, le=1000, description="misses in a row that count as death")
-    health_host: str = Field("0.0.0.0", description="bind address of the probe port")
+    health_host: str = Field("", description="bind address of the probe port: \"\" is every interface, "
+                             "IPv4 and IPv6 (the pod IP whichever family the cluster uses)")
     health_port: int = Field(7860, ge=0, le=65535, description="probe port; 0 disables it")
+    health_max_clients: int = Field(512, ge=1, le=65536, description="probe-port connections open at once; "
+                                    "past it the longest-idle one is closed to make room")
+    health_idle_timeout_s: float = Field(1.0, gt=0, le=60, description="time a probe-port client has to send "
+                                         "its whole request (408 or closed after it)")
     control_socket: str = Field(DEFAULT_CONTROL_SOCKET, description="unix socket for `onecard status`")
+    control_max_clients: int = Field(1024, ge=1, le=65536, description="control-socket connections open at "
+                                     "once; past it the longest-idle one is closed to make room")
+    control_idle_timeout_s: float = Field(1.0, gt=0, le=60, description="time a control client has to send "
+                                          "its command")
+    containment: Literal["auto", "cgroup2", "cgroup1", "process"] = Field(
+        "auto", description="how everything a service starts is kept and ended with it: a cgroup per service "
+        "(v2, else v1), else its process tree and environment marker; auto takes the first that works")
     run_dir: str | None = Field(None, description="the supervisor's private directory (0700): probe "
                                 "sockets, MPS pipes (default: the control socket's path + '.d')")
     sample_period_s: float = Field(5.0, gt=0, le=3600, description="CPU, memory and GPU sampling period "

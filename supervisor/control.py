@@ -6,34 +6,28 @@ leaves /run alone). The socket itself is 0600, which is what keeps other users o
 unix socket needs write permission to connect). Everything else private (probe sockets,
 MPS pipes) goes into the supervisor's own run directory, created 0700 by it.
 
-The probe port answers /healthz, /readyz and /metrics and nothing else: it is what an
-orchestrator reaches over the network. It serves a bounded number of connections at once;
-beyond that a connection is closed at once, counted, and logged (tagged, rate-limited).
+The probe port is probeport.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import os
 import socket
 import stat
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
+
+from supervisor.connections import Slots
 
 MAX_REQUEST = 8 * 1024
-REQUEST_TIMEOUT_S = 5.0
-MAX_PROBE_CLIENTS = 64
-MAX_CONTROL_CLIENTS = 16
+REQUEST_TIMEOUT_S = 5.0   # to write an answer to a client that reads slowly
+BACKLOG = 1024
 
 
 class ControlError(Exception):
     """The control socket or run directory cannot be used (exit 1)."""
-
-
-class PortTaken(ControlError):
-    """The probe port is held by another process (exit 78)."""
 
 
 def _mkdirs_private(path: Path) -> bool:
@@ -107,25 +101,31 @@ class _Server:
             self._server = None
 
 
-ControlHandler = Callable[[str], Awaitable[dict[str, Any]]]
+ControlHandler = Callable[[str], Awaitable[bytes]]
 
 
 class ControlServer(_Server):
-    """Unix socket: a client sends one line (``status`` or ``stop``), gets one JSON document."""
+    """Unix socket: a client sends one line (``status`` or ``stop``), gets one JSON document.
+
+    Idle clients (connected, no command yet) have `idle_timeout_s` to send it and make room
+    for newcomers when every slot is taken (connections.py), so they never lock `onecard
+    status` or `onecard stop` out."""
 
     COMMANDS = ("status", "stop")
 
-    def __init__(self, path: str, handle: ControlHandler):
+    def __init__(self, path: str, handle: ControlHandler, max_clients: int = 256, idle_timeout_s: float = 1.0):
         self.path = path
         self.handle = handle
         self.identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket we bound
-        self._clients = 0
+        self.slots = Slots(max_clients)
+        self.idle_timeout_s = idle_timeout_s
 
     async def start(self) -> None:
         prepare_socket_path(self.path)
         old = os.umask(0o177)
         try:
-            self._server = await asyncio.start_unix_server(self._handle, path=self.path, limit=MAX_REQUEST)
+            self._server = await asyncio.start_unix_server(self._handle, path=self.path, limit=MAX_REQUEST,
+                                                           backlog=BACKLOG)
         finally:
             os.umask(old)
         os.chmod(self.path, 0o600)
@@ -156,23 +156,24 @@ class ControlServer(_Server):
         await self.start()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._clients >= MAX_CONTROL_CLIENTS:
-            writer.close()
+        if not self.slots.admit(writer):
+            writer.transport.abort()
             return
-        self._clients += 1
         try:
-            line = await asyncio.wait_for(reader.readline(), REQUEST_TIMEOUT_S)
+            line = await asyncio.wait_for(reader.readline(), self.idle_timeout_s)
+            self.slots.working(writer)
             cmd = line.decode("ascii", "replace").strip()
             if cmd in self.COMMANDS:
                 body = await self.handle(cmd)
             else:
-                body = {"error": f"unknown command {cmd[:40]!r}; expected one of {', '.join(self.COMMANDS)}"}
-            writer.write(json.dumps(body).encode() + b"\n")
+                body = json.dumps({"error": f"unknown command {cmd[:40]!r}; expected one of "
+                                            f"{', '.join(self.COMMANDS)}"}).encode()
+            writer.write(body + b"\n")
             await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT_S)
-        except (asyncio.TimeoutError, ConnectionError, asyncio.LimitOverrunError, ValueError):
+        except (asyncio.TimeoutError, ConnectionError, asyncio.LimitOverrunError, ValueError, OSError):
             pass
         finally:
-            self._clients -= 1
+            self.slots.leave(writer)
             writer.close()
 
     async def close(self) -> None:
@@ -183,63 +184,3 @@ class ControlServer(_Server):
                     os.unlink(self.path)
                 except OSError:
                     pass
-
-
-Route = Callable[[], tuple[int, str, str]]
-
-
-class HealthServer(_Server):
-    """A tiny HTTP/1.1 server for orchestrator probes. ``routes`` maps a path to a
-    function returning (status, content type, body)."""
-
-    def __init__(self, host: str, port: int, routes: dict[str, Route],
-                 on_refused: Callable[[int], None] = lambda n: None, max_clients: int = MAX_PROBE_CLIENTS):
-        self.host, self.port, self.routes = host, port, routes
-        self.max_clients = max_clients
-        self.on_refused = on_refused
-        self.refused = 0
-        self._clients = 0
-
-    async def start(self) -> None:
-        try:
-            self._server = await asyncio.start_server(self._handle, self.host, self.port,
-                                                      reuse_address=True, limit=MAX_REQUEST, backlog=128)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                from supervisor.ports import port_holder
-                holder = await asyncio.to_thread(port_holder, self.port)
-                raise PortTaken(f"supervisor.health_port: port {self.port} on {self.host} is taken"
-                                + (f" by {holder}" if holder else "")) from None
-            raise ControlError(f"cannot listen on {self.host}:{self.port} for probes: {exc}") from None
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._clients >= self.max_clients:
-            self.refused += 1
-            self.on_refused(self.refused)
-            writer.transport.abort()
-            return
-        self._clients += 1
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
-            method, _, rest = head.split(b"\r\n", 1)[0].decode("latin-1").partition(" ")
-            path = rest.split(" ", 1)[0].split("?", 1)[0]
-            if method not in ("GET", "HEAD"):
-                status, ctype, body = 405, "text/plain", "method not allowed\n"
-            elif path in self.routes:
-                status, ctype, body = self.routes[path]()
-            else:
-                status, ctype, body = 404, "text/plain", "not found\n"
-            data = body.encode()
-            reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed",
-                      503: "Service Unavailable"}.get(status, "")
-            writer.write(
-                f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\n"
-                f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
-                + (b"" if method == "HEAD" else data))
-            await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT_S)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-                ConnectionError, ValueError, OSError):
-            pass
-        finally:
-            self._clients -= 1
-            writer.close()

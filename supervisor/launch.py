@@ -33,6 +33,9 @@ def exec_supervisor(config: "Config", plan: "Plan") -> None:
     os.lseek(fd, 0, os.SEEK_SET)
     root = str(Path(__file__).resolve().parent.parent)
     code = f"import sys; sys.path.insert(0, {root!r}); from supervisor.runner import main; main({fd})"
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a full disk, a reader gone: nothing to lose but the bytes
+            pass
     os.execv(sys.executable, [sys.executable, "-c", code])

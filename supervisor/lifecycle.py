@@ -21,7 +21,8 @@ class State(str, enum.Enum):
     READY = "ready"          # answering /readyz 200 (MPS: control socket up)
     NOT_READY = "not_ready"  # was ready, /readyz no longer 200 (still alive)
     STOPPING = "stopping"    # told to stop (SIGTERM, MPS quit), not gone yet
-    EXITED = "exited"        # reaped
+    LINGERING = "lingering"  # its main process was reaped; processes it started still run
+    EXITED = "exited"        # reaped, and nothing it started is left
 
 
 class Event(str, enum.Enum):
@@ -29,7 +30,8 @@ class Event(str, enum.Enum):
     READY_OK = "ready_ok"      # /readyz 200 from our child
     READY_LOST = "ready_lost"  # /readyz not 200, no answer, or an answer that is not our child's
     TERM = "term"              # we told it to stop
-    EXITED = "exited"          # its exit was reaped
+    EXITED = "exited"          # its main process's exit was reaped
+    EMPTIED = "emptied"        # no process it started is left (its cgroup or tree is empty)
 
 
 S, E = State, Event
@@ -41,31 +43,43 @@ CHILD_TABLE: dict[tuple[State, Event], State] = {
     (S.PENDING, E.READY_LOST): S.PENDING,
     (S.PENDING, E.TERM): S.EXITED,           # never started: nothing to wait for
     (S.PENDING, E.EXITED): S.EXITED,
+    (S.PENDING, E.EMPTIED): S.PENDING,
     (S.STARTING, E.STARTED): S.STARTING,
     (S.STARTING, E.READY_OK): S.READY,
     (S.STARTING, E.READY_LOST): S.STARTING,
     (S.STARTING, E.TERM): S.STOPPING,
-    (S.STARTING, E.EXITED): S.EXITED,
+    (S.STARTING, E.EXITED): S.LINGERING,     # gone only once what it started is gone too
+    (S.STARTING, E.EMPTIED): S.STARTING,     # only a reaped child's emptiness counts
     (S.READY, E.STARTED): S.READY,
     (S.READY, E.READY_OK): S.READY,
     (S.READY, E.READY_LOST): S.NOT_READY,
     (S.READY, E.TERM): S.STOPPING,
-    (S.READY, E.EXITED): S.EXITED,
+    (S.READY, E.EXITED): S.LINGERING,
+    (S.READY, E.EMPTIED): S.READY,
     (S.NOT_READY, E.STARTED): S.NOT_READY,
     (S.NOT_READY, E.READY_OK): S.READY,
     (S.NOT_READY, E.READY_LOST): S.NOT_READY,
     (S.NOT_READY, E.TERM): S.STOPPING,
-    (S.NOT_READY, E.EXITED): S.EXITED,
+    (S.NOT_READY, E.EXITED): S.LINGERING,
+    (S.NOT_READY, E.EMPTIED): S.NOT_READY,
     (S.STOPPING, E.STARTED): S.STOPPING,
     (S.STOPPING, E.READY_OK): S.STOPPING,    # draining: readiness no longer matters
     (S.STOPPING, E.READY_LOST): S.STOPPING,
     (S.STOPPING, E.TERM): S.STOPPING,
-    (S.STOPPING, E.EXITED): S.EXITED,
+    (S.STOPPING, E.EXITED): S.LINGERING,
+    (S.STOPPING, E.EMPTIED): S.STOPPING,
+    (S.LINGERING, E.STARTED): S.LINGERING,
+    (S.LINGERING, E.READY_OK): S.LINGERING,  # an answer from what it left: not the service
+    (S.LINGERING, E.READY_LOST): S.LINGERING,
+    (S.LINGERING, E.TERM): S.LINGERING,
+    (S.LINGERING, E.EXITED): S.LINGERING,
+    (S.LINGERING, E.EMPTIED): S.EXITED,
     (S.EXITED, E.STARTED): S.EXITED,
     (S.EXITED, E.READY_OK): S.EXITED,        # an answer that was on its way when it died
     (S.EXITED, E.READY_LOST): S.EXITED,
     (S.EXITED, E.TERM): S.EXITED,
     (S.EXITED, E.EXITED): S.EXITED,
+    (S.EXITED, E.EMPTIED): S.EXITED,
 }
 
 
@@ -96,8 +110,10 @@ CLEAN_STOP_CODES = frozenset({0, 128 + signal.SIGTERM})  # exited when told to, 
 
 @dataclass(frozen=True)
 class Rules:
-    """What a child's exit means for the unit when nobody told it to stop."""
+    """What a child's exit means for the unit when nobody told it to stop, and whether
+    it runs contained (what it starts is ended with it before it counts as gone)."""
     kind: str
+    contained: bool = True
 
     def unexpected_exit(self, name: str, code: int) -> tuple[int, str]:
         if self.kind == "mps":
@@ -108,7 +124,7 @@ class Rules:
 
 
 SERVICE = Rules("service")
-MPS = Rules("mps")
+MPS = Rules("mps", contained=False)  # a detached daemon adopted by the supervisor, not started in a cgroup
 
 
 # ---- the unit (the supervisor itself) ---------------------------------------------------
@@ -160,6 +176,7 @@ UNIT_TABLE: dict[tuple[UnitState, UnitEvent], tuple[UnitState, tuple[Action, ...
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # graceful, like tini/s6/gunicorn's TERM
 INTERRUPT_SIGNALS = (signal.SIGINT,)                            # graceful; twice: kill now
 IGNORED_SIGNALS = (signal.SIGTTIN, signal.SIGTTOU, signal.SIGUSR1, signal.SIGUSR2)  # never stop us
+HANDLED_SIGNALS = STOP_SIGNALS + INTERRUPT_SIGNALS + (signal.SIGCHLD,)         # held until handled (early.py)
 
 
 class Unit:
@@ -189,12 +206,22 @@ class Unit:
         self.state = new
         return actions
 
-    def exit_code(self, service_codes: list[int | None]) -> int:
-        """At the end: a requested stop is 0 only when every service stopped cleanly."""
+    def exit_code(self, service_codes: list[int | None], killed_left: int = 0, alive_left: int = 0) -> int:
+        """At the end: a requested stop is 0 only when every service stopped cleanly and
+        nothing they started had to be SIGKILLed; and never 0 while a process the unit
+        started is still alive (`alive_left`)."""
         code = EXIT_OK if self.code is None else self.code
-        if self.requested and code == EXIT_OK:
+        if alive_left:
+            self.reason += f"; {alive_left} process(es) it started are still alive"
+        if code != EXIT_OK:
+            return code
+        if self.requested:
             unclean = [c for c in service_codes if c is not None and c not in CLEAN_STOP_CODES]
             if unclean:
                 self.reason += f"; drain incomplete (service exit codes {sorted(set(unclean))})"
                 return EXIT_DRAIN_INCOMPLETE
-        return code
+            if killed_left:
+                self.reason += (f"; drain incomplete ({killed_left} process(es) the services started "
+                                f"were SIGKILLed after grace_s)")
+                return EXIT_DRAIN_INCOMPLETE
+        return EXIT_DRAIN_INCOMPLETE if alive_left else code

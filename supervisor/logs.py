@@ -19,6 +19,8 @@ import threading
 import time
 from typing import IO, Callable
 
+from supervisor.early import quiet_thread
+
 MAX_LINE = 64 * 1024
 SUPERVISOR_TAG = "onecard"
 
@@ -53,6 +55,23 @@ class LogSink:
                 return
             self._buf.append(data)
             self._bytes += len(data)
+            self._cv.notify()
+        if self._thread is None:
+            self._start()
+
+    def lines(self, source: str, texts: list[str], level: str = "info") -> None:
+        """Many lines of one source under one lock (a child's pipe read at once)."""
+        if len(texts) == 1:
+            return self.line(source, texts[0], level)
+        data = [self._format(source, t, level) for t in texts]
+        with self._cv:
+            for item in data:
+                if self.broken or len(self._buf) >= self.max_lines or self._bytes + len(item) > self.max_bytes:
+                    self.dropped += 1
+                    self._unreported += 1
+                    continue
+                self._buf.append(item)
+                self._bytes += len(item)
             self._cv.notify()
         if self._thread is None:
             self._start()
@@ -99,6 +118,7 @@ class LogSink:
         self._thread.start()
 
     def _writer(self) -> None:
+        quiet_thread()
         while True:
             with self._cv:
                 while not self._buf and not self._unreported:
@@ -145,42 +165,46 @@ def _stdout_fd() -> int:
 
 
 class LineSplitter(asyncio.Protocol):
-    """Reads a child's pipe; calls on_line for each complete line and on_eof at the end.
+    """Reads a child's pipe; calls on_lines with the complete lines of each read (one call
+    per read, not per line: a flood costs the loop little per line) and on_eof at the end.
 
     A partial last line is flushed at EOF so that nothing is lost at shutdown; an
     over-long line is cut into MAX_LINE pieces rather than held without bound.
     """
 
-    def __init__(self, on_line: Callable[[str], None], on_eof: Callable[[], None]):
+    def __init__(self, on_lines: Callable[[list[str]], None], on_eof: Callable[[], None]):
         self._buf = bytearray()
-        self._on_line = on_line
+        self._on_lines = on_lines
         self._on_eof = on_eof
 
     def data_received(self, data: bytes) -> None:
         self._buf.extend(data)
-        start = 0
-        while True:
-            nl = self._buf.find(b"\n", start)
-            if nl < 0:
-                break
-            self._emit(bytes(self._buf[start:nl]))
-            start = nl + 1
-        del self._buf[:start]
+        lines: list[str] = []
+        nl = self._buf.rfind(b"\n")
+        if nl >= 0:
+            # "\n" never occurs inside a UTF-8 sequence: decoding the block at once is
+            # decoding each line
+            block = self._buf[:nl].decode("utf-8", "replace")
+            del self._buf[:nl + 1]
+            lines = [line.rstrip("\r") for line in block.split("\n")]
         while len(self._buf) >= MAX_LINE:
-            self._emit(bytes(self._buf[:MAX_LINE]))
+            lines.append(_text(bytes(self._buf[:MAX_LINE])))
             del self._buf[:MAX_LINE]
-
-    def _emit(self, raw: bytes) -> None:
-        self._on_line(raw.rstrip(b"\r").decode("utf-8", "replace"))
+        if lines:
+            self._on_lines(lines)
 
     def eof_received(self) -> bool:
         if self._buf:
-            self._emit(bytes(self._buf))
+            self._on_lines([_text(bytes(self._buf))])
             self._buf.clear()
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._on_eof()
+
+
+def _text(raw: bytes) -> str:
+    return raw.rstrip(b"\r").decode("utf-8", "replace")
 
 
 class Tail:
@@ -191,6 +215,9 @@ class Tail:
 
     def add(self, line: str) -> None:
         self._lines.append(line)
+
+    def extend(self, lines: list[str]) -> None:
+        self._lines.extend(lines[-(self._lines.maxlen or len(lines)):])
 
     def lines(self) -> list[str]:
         return list(self._lines)

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 import signal
 import resource
 import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+from supervisor import containment, proctable
+from supervisor.containment import Containment, Leftover, Marker
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -61,12 +67,25 @@ class OsLayer:
             except (ValueError, OSError):
                 pass
 
-    def spawn(self, argv: list[str], env: dict[str, str], stdin_data: bytes | None = None) -> Spawned:
+    # ---- signals: held from the first instruction until the handlers exist (early.py) --------
+    def release_signals(self, sigs: tuple[int, ...]) -> None:
+        """Unblock: what arrived while they were held is delivered now, to the handlers."""
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
+
+    def hold_signals(self, sigs: tuple[int, ...]) -> None:
+        """Block for good (until exit): a late signal waits instead of replacing the exit
+        code the supervisor chose or cutting its last lines."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+
+    def spawn(self, argv: list[str], env: dict[str, str], stdin_data: bytes | None = None,
+              join: str | None = None, pass_fds: tuple[int, ...] = (), own_session: bool = False,
+              death_signal: bool = True) -> Spawned:
         """A fresh program (exec, never a bare fork) in its own process group.
 
         The child gets SIGKILL when the supervisor dies, however it dies, so that a
         SIGKILLed supervisor leaves nothing behind. `stdin_data` (small: one pipe buffer)
-        is what it reads on stdin, else /dev/null.
+        is what it reads on stdin, else /dev/null. `join` is the cgroup.procs file the
+        child writes itself into before exec, so that nothing it starts escapes the cgroup.
         """
         stdin: int = subprocess.DEVNULL
         in_write = None
@@ -74,19 +93,26 @@ class OsLayer:
             stdin, in_write = os.pipe()
         read_fd, write_fd = os.pipe()
         parent = os.getpid()
+        join_fd = os.open(join, os.O_WRONLY | os.O_CLOEXEC) if join else None
 
         def _in_child() -> None:
-            if _prctl is not None:
+            # The supervisor holds its stop signals blocked until its handlers exist and
+            # again at its end; a service starts with none blocked.
+            signal.pthread_sigmask(signal.SIG_SETMASK, ())
+            if join_fd is not None:
+                os.write(join_fd, b"0")  # "0": the writing process itself
+            if _prctl is not None and death_signal:
                 _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             # The supervisor may have died between fork and prctl: then nobody will
             # send the death signal, so act on it now.
-            if os.getppid() != parent:
+            if death_signal and os.getppid() != parent:
                 os._exit(1)
 
         try:
             proc = subprocess.Popen(
                 argv, env=env, stdin=stdin, stdout=write_fd, stderr=write_fd,
-                process_group=0, preexec_fn=_in_child, close_fds=True,
+                process_group=None if own_session else 0, start_new_session=own_session,
+                preexec_fn=_in_child, close_fds=True, pass_fds=pass_fds,
             )
         except BaseException:
             os.close(read_fd)
@@ -95,6 +121,8 @@ class OsLayer:
             raise
         finally:
             os.close(write_fd)
+            if join_fd is not None:
+                os.close(join_fd)
             if in_write is not None:
                 os.close(stdin)
         if in_write is not None:
@@ -147,3 +175,37 @@ class OsLayer:
             os.close(fd)
         except OSError:
             pass
+
+    def write(self, fd: int, data: bytes) -> None:
+        try:
+            os.write(fd, data)
+        except OSError:
+            pass
+
+    # ---- containment (containment.py; called in worker threads) ----------------------------
+    def containment(self, marker: Marker, names: list[str], mode: str) -> Containment:
+        return containment.create(marker, names, mode)
+
+    def leftovers(self, marker: Marker) -> tuple[list[Leftover], list]:
+        return containment.leftovers(marker)
+
+    def end_leftovers(self, marker: Marker, found: list[Leftover], dirs: list) -> set[int]:
+        return containment.end_leftovers(marker, found, dirs)
+
+    def own_children(self) -> set[int]:
+        """Our live direct children: services, helpers and orphans we adopted."""
+        return {p for p in proctable.children_of(os.getpid()) if proctable.alive(p)}
+
+    def start_sentinel(self, spec: dict) -> tuple[int, int]:
+        """(pid, the write end of its pipe); see sentinel.py."""
+        from supervisor.sentinel import bootstrap
+        read_fd, write_fd = os.pipe()
+        os.set_inheritable(read_fd, True)
+        root = str(Path(__file__).resolve().parent.parent)
+        try:
+            spawned = self.spawn([sys.executable, "-S", "-E", "-c", bootstrap(root), str(read_fd), json.dumps(spec)],
+                                 {}, pass_fds=(read_fd,), own_session=True, death_signal=False)
+        finally:
+            os.close(read_fd)
+        os.close(spawned.output_fd)
+        return spawned.pid, write_fd

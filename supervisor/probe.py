@@ -6,8 +6,8 @@ Identity, in order (documented in the README):
    JSON body): it must be the token this spawn got in ``ONECARD_INSTANCE_TOKEN``;
 2. else a ``"pid"`` in the JSON body must be a process of the child's tree;
 3. else (a ``command`` service that knows nothing of onecard) the port's listening socket
-   must belong to a process of the child's tree (psutil, in a worker thread, once per
-   spawn); an answer on the unix probe socket, which lives in the supervisor's private
+   must belong to a process of the child's tree (psutil, in a worker thread, at every
+   answer); an answer on the unix probe socket, which lives in the supervisor's private
    0700 directory, needs no more.
 An answer that fails the check counts as no answer: not ready, and a liveness miss.
 """
@@ -156,14 +156,16 @@ class ChildProber:
         if isinstance(pid, int) and not isinstance(pid, bool):
             pids = await asyncio.to_thread(self.tree_pids, child.pid)
             return None if pid in pids else f"it says pid {pid}, which is not in the service's process tree"
-        if r.via == "unix" or child.listener_verified:
+        if r.via == "unix":
             return None
-        pids = await asyncio.to_thread(self.tree_pids, child.pid)
-        holders = await asyncio.to_thread(self.listener_pids, child.plan.port, pids)
-        if holders:
-            child.listener_verified = True
+        # Every answer, not once per spawn: the server may die and another process take
+        # the port while the service's main process lives on (a wrapper).
+        if await asyncio.to_thread(self._listens, child.pid, child.plan.port):
             return None
         return f"no process of the service's tree listens on port {child.plan.port}"
+
+    def _listens(self, pid: int, port: int) -> bool:
+        return bool(self.listener_pids(port, self.tree_pids(pid)))
 
 
 def _tree_pids(pid: int) -> set[int]:

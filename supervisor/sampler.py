@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 import psutil
 
+from supervisor.early import quiet_thread
+
 
 @dataclass(frozen=True)
 class TreeFigures:
@@ -205,6 +207,7 @@ class Sampler:
             return self.latest
 
     def _main(self) -> None:
+        quiet_thread()
         while not self._stop.is_set():
             try:
                 self.latest = self.sample_once()

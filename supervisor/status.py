@@ -53,26 +53,68 @@ def socket_path(explicit: str | None, config_option: str | None, environ=None) -
     return found or DEFAULT_CONTROL_SOCKET
 
 
-def fetch(path: str, timeout: float = 2.0, command: str = "status") -> dict[str, Any]:
+def _connect(s: socket.socket, path: str, deadline: float) -> None:
+    """connect(), waiting while the supervisor's listen queue is full (EAGAIN on a unix
+    socket) instead of giving up at once: a crowd of callers is answered in turn."""
+    pause = 0.005
+    while True:
+        try:
+            s.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() + pause >= deadline:
+                raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+
+
+class _ClosedEarly(Exception):
+    """Closed before any byte of an answer: made room for a newcomer, or was too slow."""
+
+
+def _ask(path: str, command: str, deadline: float) -> bytes:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(timeout)
+    s.settimeout(max(0.01, deadline - time.monotonic()))
     try:
-        s.connect(path)
+        _connect(s, path, deadline)
         s.sendall(command.encode() + b"\n")
         chunks = []
         while True:
-            data = s.recv(65536)
+            try:
+                data = s.recv(65536)
+            except ConnectionResetError:
+                if chunks:
+                    raise
+                raise _ClosedEarly() from None
             if not data:
                 break
             chunks.append(data)
-    except FileNotFoundError:
-        raise Unreachable(f"no onecard supervisor: {path} does not exist") from None
-    except (ConnectionRefusedError, PermissionError, socket.timeout, OSError) as exc:
-        raise Unreachable(f"no onecard supervisor answers on {path}: {exc}") from None
+        if not chunks:
+            raise _ClosedEarly()
+        return b"".join(chunks)
     finally:
         s.close()
+
+
+def fetch(path: str, timeout: float = 2.0, command: str = "status") -> dict[str, Any]:
+    """One command's answer. A connection the supervisor closed before answering (it makes
+    room for newcomers when every slot is taken) is tried again until the deadline: both
+    commands may be asked twice."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            raw = _ask(path, command, deadline)
+            break
+        except _ClosedEarly:
+            if time.monotonic() >= deadline:
+                raise Unreachable(f"no onecard supervisor answers on {path}: closed without an answer") from None
+            time.sleep(0.01)
+        except FileNotFoundError:
+            raise Unreachable(f"no onecard supervisor: {path} does not exist") from None
+        except (ConnectionRefusedError, PermissionError, socket.timeout, OSError) as exc:
+            raise Unreachable(f"no onecard supervisor answers on {path}: {exc}") from None
     try:
-        return json.loads(b"".join(chunks))
+        return json.loads(raw)
     except ValueError:
         raise Unreachable(f"garbled answer on {path}") from None
 

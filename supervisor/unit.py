@@ -14,17 +14,22 @@ import asyncio
 import collections
 import secrets
 import signal
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from supervisor import report
 from supervisor.child import ChildProcess
 from supervisor.clock import Clock, LoopClock, Timer
+from supervisor.descendants import Descendants
+from supervisor.early import quiet_thread
 from supervisor.endpoints import Endpoints
 from supervisor.watch import ServiceWatch
-from supervisor.lifecycle import (EXIT_SETUP, EXIT_SPAWN_FAILED,
-                                  EXIT_STARTUP_TIMEOUT, IGNORED_SIGNALS, INTERRUPT_SIGNALS, STOP_SIGNALS,
+from supervisor.lifecycle import (EXIT_SETUP, EXIT_SPAWN_FAILED, HANDLED_SIGNALS,
+                                  IGNORED_SIGNALS, INTERRUPT_SIGNALS, STOP_SIGNALS,
                                   Action, Event, State, Unit, UnitEvent, UnitState)
-from supervisor.logs import LineSplitter, LogSink
+from supervisor.logs import LogSink
+from supervisor.output import ChildOutput
 from supervisor.mpsrun import MpsRunner
 from supervisor.oslayer import OsLayer, exit_code_of
 from supervisor.plan import Plan
@@ -34,7 +39,7 @@ from supervisor.sampler import Sampler
 if TYPE_CHECKING:
     from supervisor.config import Config
 
-HANDLED = STOP_SIGNALS + INTERRUPT_SIGNALS + (signal.SIGCHLD,)
+HANDLED = HANDLED_SIGNALS
 LOG_REPEAT_S = 10.0
 
 
@@ -74,6 +79,8 @@ class Supervisor:
         self._startup_timer: Timer | None = None
         self.endpoints = Endpoints(self)
         self.watch = ServiceWatch(self)
+        self.descendants = Descendants(self)
+        self.output = ChildOutput(self)
         self._last_logged: dict[str, float] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -97,6 +104,7 @@ class Supervisor:
     async def run(self) -> int:
         loop = self.loop = asyncio.get_running_loop()
         loop.set_exception_handler(self._loop_exception)
+        loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="onecard-worker", initializer=quiet_thread))
         code = await self.endpoints.open()
         if code is not None:
             self.log.flush(2.0)
@@ -105,6 +113,10 @@ class Supervisor:
             loop.add_signal_handler(sig, self.handle_signal, sig)
         loop.add_signal_handler(signal.SIGCHLD, self.handle_sigchld)
         ignored = {sig: signal.signal(sig, signal.SIG_IGN) for sig in IGNORED_SIGNALS}
+        # Held since the first instruction of `onecard run` (early.py) and across the exec:
+        # whatever arrived meanwhile is delivered now, to the handlers, and queued.
+        self.os.release_signals(HANDLED)
+        survivors: set[int] = set()
         try:
             self.os.become_subreaper()
             self.os.raise_open_files_limit()
@@ -119,7 +131,7 @@ class Supervisor:
             while self.unit.state != UnitState.DONE:
                 self._dispatch(await self._events.get())
                 self._progress()
-            await self._drain_output()
+            await self.output.drain(self._events, self._on_sigchld)
         finally:
             for task in list(self._tasks):
                 task.cancel()
@@ -127,19 +139,27 @@ class Supervisor:
                 if timer is not None:
                     timer.cancel()
             self._kill_stragglers()
+            survivors = await self.descendants.end()
+            self._on_sigchld()
+            # From here to the process's exit a signal waits: a late one can neither replace
+            # the exit code chosen below nor cut the teardown and the last lines short.
+            self.os.hold_signals(HANDLED)
             for sig in HANDLED:
                 loop.remove_signal_handler(sig)
             for sig, old in ignored.items():
                 signal.signal(sig, old)
             self.sampler.stop()
             await self.endpoints.close()
-        code = self.unit.exit_code([c.exit_code for c in self.children if c.pid is not None])
+        code = self.unit.exit_code([c.exit_code for c in self.children if c.pid is not None],
+                                   self.descendants.killed_left, len(survivors))
         self.log.info(f"exit {code}: {self.unit.reason}")
         self.log.flush(2.0)
         return code
 
     async def _prepare(self) -> None:
-        """Before any service: every port free, then the MPS daemon (when on)."""
+        """Before any service: its containment (and the end of what an earlier run left,
+        which may hold the ports), every port free, then the MPS daemon (when on)."""
+        await self.descendants.prepare()
         problems = []
         for c in self.children:
             p = await asyncio.to_thread(self.port_check, c.plan.host, c.plan.port)
@@ -164,12 +184,14 @@ class Supervisor:
             self.apply(self.unit.fire(UnitEvent.FAIL, *args))
         elif kind == "spawn_services":
             self._spawn_services()
+        elif kind == "emptied":
+            args[0].fire(Event.EMPTIED)
         elif kind == "ready_probe":
             self.watch.on_ready_probe(*args)
         elif kind == "watch_probe":
             self.watch.on_watch(*args)
         elif kind == "startup_deadline":
-            self._on_startup_deadline()
+            self.watch.on_startup_deadline()
         elif kind == "grace":
             self._on_grace()
         elif kind == "stop_request":
@@ -206,6 +228,7 @@ class Supervisor:
                     child.fire(Event.TERM)
                     if was_alive:
                         self.os.kill_group(child.pid, signal.SIGTERM)
+                self.descendants.signal_all(self.children, signal.SIGTERM)
                 if self._grace_timer is None:
                     self._grace_timer = self.clock.call_later(self.settings.grace_s, lambda: self.put("grace"))
             elif action == Action.KILL:
@@ -214,6 +237,7 @@ class Supervisor:
                         child.killed = True
                     if child.pid is not None:
                         self.os.kill_group(child.pid, signal.SIGKILL)
+                self.descendants.signal_all(self.children, signal.SIGKILL)
                 if self.mps is not None:
                     self.mps.abort_start()
 
@@ -229,10 +253,10 @@ class Supervisor:
             return
         for child in self.children:
             child.token = secrets.token_hex(8)
-            env = {**child.plan.env, "ONECARD_INSTANCE_TOKEN": child.token}
+            env = {**child.plan.env, **self.descendants.env(), "ONECARD_INSTANCE_TOKEN": child.token}
             try:
-                spawned = self.os.spawn(child.plan.argv, env)
-            except OSError as exc:
+                spawned = self.os.spawn(child.plan.argv, env, join=self.descendants.join_path(child))
+            except (OSError, subprocess.SubprocessError) as exc:
                 reason = f"{child.name}: cannot start {child.plan.argv[0]!r}: {exc}"
                 self.log.error(reason)
                 self.apply(self.unit.fire(UnitEvent.FAIL, EXIT_SPAWN_FAILED, reason))
@@ -252,36 +276,26 @@ class Supervisor:
 
     def attach_output(self, tag: str, fd: int, child: ChildProcess | None = None,
                       tail: Any = None) -> asyncio.Future:
-        """Read a child's pipe to its end, tagging each line; the future is done at EOF."""
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        sink = tail if tail is not None else (child.tail if child is not None else None)
-
-        def on_line(text: str) -> None:
-            if sink is not None:
-                sink.add(text)
-            self.log.line(tag, text)
-
-        def on_eof() -> None:
-            if child is not None:
-                child.output_open = False
-            if not done.done():
-                done.set_result(None)
-
-        if child is not None:
-            child.output_open = True
-        pipe = open(fd, "rb", buffering=0, closefd=True)
-        self.spawn_task(loop.connect_read_pipe(lambda: LineSplitter(on_line, on_eof), pipe))
-        return done
+        return self.output.attach(tag, fd, child, tail)
 
     def wait_exit(self, pid: int) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
         self._exit_waiters[pid].append(fut)
         return fut
 
+    def reap_now(self) -> None:
+        self._on_sigchld()
+
     def _on_sigchld(self) -> None:
+        self.descendants.on_sigchld()
         for pid, status in self.os.reap():
             code = exit_code_of(status)
+            if pid == self.descendants.sentinel_pid:
+                self.descendants.sentinel_pid = None
+                if not self.unit.stopping:
+                    self.log.warning(f"containment: the sentinel exited with code {code}; if the supervisor is "
+                                     f"SIGKILLed now, what the services started is ended at the next start")
+                continue
             for fut in self._exit_waiters.pop(pid, []):
                 if not fut.done():
                     fut.set_result(code)
@@ -301,6 +315,7 @@ class Supervisor:
     def child_exited(self, child: ChildProcess, code: int) -> None:
         told = child.state == State.STOPPING
         child.fire(Event.EXITED)
+        self.descendants.on_exit(child)
         child.exit_code = code
         child.exited_at = self.clock.now()
         self.sampler.targets = {c.name: c.pid for c in self.children if c.alive}
@@ -321,28 +336,18 @@ class Supervisor:
                 self.apply(self.unit.fire(UnitEvent.INTERRUPT))
             else:
                 self._stop(UnitEvent.INTERRUPT, f"{name} received")
-        elif self.unit.stopping:
-            self.log.info(f"{name} received while stopping: still waiting (a second SIGINT skips the wait)")
+        elif self.unit.stopping:  # a storm of them is one line every LOG_REPEAT_S
+            self.log_once(f"signal-while-stopping:{name}", "info",
+                          f"{name} received while stopping: still waiting (a second SIGINT skips the wait)")
         else:
             self._stop(UnitEvent.STOP, f"{name} received")
 
     def _on_grace(self) -> None:
+        self._on_sigchld()  # a frozen supervisor resumes with exits and the timer both due: exits first
         for child in self.children:
             if child.alive:
                 self.log.warning(f"{child.name}: still running {self.settings.grace_s:g} s after SIGTERM; SIGKILL")
         self.apply(self.unit.fire(UnitEvent.GRACE_EXPIRED))
-
-    def _on_startup_deadline(self) -> None:
-        late = [c for c in self.children if c.state in (State.PENDING, State.STARTING)]
-        if self.unit.stopping or not late:
-            return
-        for c in late:
-            tail = "\n".join(f"    {line}" for line in c.tail.lines()[-10:]) or "    (no output)"
-            why = f" (last probe: {c.last_probe_error})" if c.last_probe_error else ""
-            self.log.error(f"{c.name} not ready after {self.settings.startup_timeout_s:g} s{why}; "
-                           f"its last lines:\n{tail}")
-        self.apply(self.unit.fire(UnitEvent.FAIL, EXIT_STARTUP_TIMEOUT,
-                                   "start-up timeout: " + ", ".join(c.name for c in late)))
 
     def view(self, sample=None) -> report.UnitView:
         return report.UnitView(
@@ -368,20 +373,6 @@ class Supervisor:
             f": {type(exc).__name__}: {exc}" if exc is not None else ""))
 
     # ---- the end ------------------------------------------------------------------------------
-    async def _drain_output(self) -> None:
-        """Wait (bounded) for every child's last lines; a grandchild may hold the pipe."""
-        deadline = self.clock.now() + 2.0
-        while any(c.output_open for c in self.children):
-            left = deadline - self.clock.now()
-            if left <= 0:
-                break
-            try:
-                event = await asyncio.wait_for(self._events.get(), min(left, 0.1))
-            except asyncio.TimeoutError:
-                continue
-            if event[0] == "sigchld":
-                self._on_sigchld()
-
     def _kill_stragglers(self) -> None:
         for child in self.children:
             if child.pid is not None:

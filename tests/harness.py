@@ -24,7 +24,9 @@ FAKE_APP = "tests.children.fake_app:create_app"
 
 
 PORT_BLOCK = 500
-_next_port = [0]
+# Where in its block a process starts: another test run on the same machine (a second
+# checkout, say) walks the same blocks, and starting at the same port would collide.
+_next_port = [os.getpid() * 7 % PORT_BLOCK]
 
 
 def _ephemeral_low() -> int:
@@ -116,13 +118,24 @@ class SupervisorRun:
         self.seen: dict[int, psutil.Process] = {}
         self.returncode: int | None = None
 
-    def start(self) -> "SupervisorRun":
+    def start(self, stdio: str = "log") -> "SupervisorRun":
+        """stdio: "log" (stdout and stderr to supervisor.log), "closed" (fds 1 and 2 closed, as
+        `onecard run >&- 2>&-` leaves them), or a path to open for both (/dev/full)."""
         self._log = open(self.log_path, "wb")
+        out = self._log if stdio in ("log", "closed") else open(stdio, "wb")
+
+        def close_stdio() -> None:
+            os.close(1)
+            os.close(2)
+
         self.proc = subprocess.Popen(
             [*self.prefix, sys.executable, "-m", "supervisor", "run", "--config", str(self.config), *self.extra_args],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT), **self.env},
+            preexec_fn=close_stdio if stdio == "closed" else None,
         )
+        if out is not self._log:
+            out.close()
         self.seen[self.proc.pid] = psutil.Process(self.proc.pid)
         return self
 
@@ -240,7 +253,18 @@ class SupervisorRun:
                 p.wait(timeout=2)
             except (psutil.Error, subprocess.TimeoutExpired):
                 pass
+        remove_unit_cgroups(self.socket)
         self._log.close()
+
+
+def remove_unit_cgroups(control_socket: str) -> None:
+    """The empty cgroups a run killed with its sentinel (SIGKILL of the whole tree) leaves: a
+    next run on the same socket would remove them; tests use a new socket each time."""
+    from supervisor.containment import hierarchy_base, remove_tree, unit_key
+    for kind in ("cgroup2", "cgroup1"):
+        found = hierarchy_base(kind)
+        if found is not None:
+            remove_tree(found[0] / f"onecard.{unit_key(control_socket)}")
 
 
 def http_get(port: int, path: str, timeout: float = 10.0) -> tuple[int, bytes]:

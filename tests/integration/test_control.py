@@ -329,7 +329,7 @@ def test_a_stuck_stdout_never_stalls_supervision(tmp_path):
 
 def test_a_flood_on_the_probe_port_is_bounded_and_logged_cleanly(tmp_path):
     import socket as socketlib
-    with SupervisorRun(tmp_path, {"a": fake_service()}) as run:
+    with SupervisorRun(tmp_path, {"a": fake_service()}, health_max_clients=64) as run:
         run.wait_ready()
         held = []
         try:
@@ -337,6 +337,7 @@ def test_a_flood_on_the_probe_port_is_bounded_and_logged_cleanly(tmp_path):
                 s = socketlib.create_connection(("127.0.0.1", run.health_port), timeout=5)
                 held.append(s)
             assert run.status().returncode == 0  # the control socket is not the probe port
+            assert http_get(run.health_port, "/healthz")[0] == 200  # the idle ones made room
             run.wait_for("the flood to be logged", lambda: "probe port:" in run.output())
         finally:
             for s in held:

@@ -394,6 +394,32 @@ def test_a_command_service_without_identity_is_ours_when_it_holds_its_port(tmp_p
         assert run.wait_exit(10) == 0
 
 
+def _dead(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_every_probe_answer_of_a_command_service_is_checked_not_only_the_first(tmp_path):
+    """A wrapper whose server dies while the wrapper lives on, and another process takes the
+    port: its answers are not the service's, so liveness fails (4)."""
+    port, pidfile = free_port(), tmp_path / "server.pid"
+    server = ROOT / "tests" / "children" / "daemon_server.py"
+    svc = {"command": ["sh", "-c", f"{sys.executable} {server} {port} {pidfile}; sleep 600"], "port": port}
+    with SupervisorRun(tmp_path, {"wrapped": svc}) as run:
+        run.wait_ready()
+        server = psutil.Process(int(pidfile.read_text()))
+        server.kill()
+        run.wait_for("the server to be gone", lambda: _dead(server))  # its socket closed with it
+        with ForeignServer(port):
+            assert run.wait_exit(20) == 4, run.output()
+        out = run.output()
+        assert f"/healthz on 127.0.0.1:{port} was answered by another process, not wrapped" in out
+        assert "exit 4: wrapped failed 3 liveness probes in a row" in out
+        _assert_clean(run)
+
+
 def test_app_services_are_probed_on_their_private_unix_socket(tmp_path):
     services = {"a": fake_service(tcp_probes_fail=True)}
     with SupervisorRun(tmp_path, services) as run:

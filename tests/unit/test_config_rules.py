@@ -212,3 +212,16 @@ def test_several_rules_across_keys_are_one_line_each(tmp_path):
         "--set supervisor.drain_s: supervisor.drain_s: 5 s must be below supervisor.grace_s (5 s): "
         "a service's drain ends before the supervisor's SIGKILL\n"
         f"{p}: services.img2img.port: port 7862 is already used by services.detect.port")
+
+
+def test_the_door_and_containment_keys_have_their_defaults_and_bounds(tmp_path):
+    p = write(tmp_path, BASE)
+    s = load_config(p, environ={}).supervisor
+    assert (s.health_host, s.health_max_clients, s.health_idle_timeout_s) == ("", 512, 1.0)
+    assert (s.control_max_clients, s.control_idle_timeout_s, s.containment) == (1024, 1.0, "auto")
+    for mode in ("cgroup2", "cgroup1", "process"):
+        assert load_config(p, sets=[f'supervisor.containment="{mode}"'], environ={}).supervisor.containment == mode
+    assert "supervisor.containment" in error_of(p, sets=['supervisor.containment="docker"'], environ={})
+    for key, bad in (("health_max_clients", 0), ("control_max_clients", 0), ("health_idle_timeout_s", 0),
+                     ("control_idle_timeout_s", 61)):
+        assert f"supervisor.{key}" in error_of(p, sets=[f"supervisor.{key}={bad}"], environ={})

@@ -1,5 +1,6 @@
 """The supervisor's rules replayed as scripted histories: a scripted OS (process table,
-signals, reaping), a manual clock and scripted probe answers; no real process here.
+signals, reaping), a manual clock and scripted probe answers; no real process here
+(tests/unit/scripted_supervisor.py).
 
 Each faked behaviour has its integration twin against real processes:
 tests/integration/test_lifecycle.py (exits, signals, grace, orphans, drain),
@@ -9,25 +10,15 @@ test_control.py (status, stop, not_ready), test_gpu_resources.py (MPS).
 from __future__ import annotations
 
 import asyncio
-import heapq
-import io
 import itertools
-import json
-import os
 import signal
 
 import pytest
 
-from supervisor.config import Config
-from supervisor.cpuquota import CpuQuota
 from supervisor.lifecycle import (CHILD_TABLE, UNIT_TABLE, Action, Event, State, Unit, UnitEvent, UnitState,
                                   next_state)
-from supervisor.logs import LogSink
-from supervisor.oslayer import Spawned
-from supervisor.plan import build_plan
 from supervisor.probe import ProbeResult
-from supervisor.sampler import Sampler
-from supervisor.unit import Supervisor
+from tests.unit.scripted_supervisor import history, make, text
 
 
 # ---- the tables --------------------------------------------------------------------------
@@ -45,7 +36,9 @@ def test_unit_table_is_complete():
     ([Event.STARTED, Event.READY_OK, Event.READY_LOST, Event.READY_OK], State.READY),
     ([Event.STARTED, Event.READY_LOST], State.STARTING),
     ([Event.STARTED, Event.READY_OK, Event.TERM, Event.READY_OK], State.STOPPING),
-    ([Event.STARTED, Event.TERM, Event.EXITED, Event.READY_OK], State.EXITED),
+    ([Event.STARTED, Event.TERM, Event.EXITED, Event.READY_OK], State.LINGERING),
+    ([Event.STARTED, Event.TERM, Event.EXITED, Event.EMPTIED, Event.READY_OK], State.EXITED),
+    ([Event.STARTED, Event.READY_OK, Event.EMPTIED], State.READY),  # only a reaped child can be empty
     ([Event.TERM], State.EXITED),
 ])
 def test_child_paths(path, end):
@@ -74,191 +67,6 @@ def test_requested_stop_is_0_only_when_every_service_stops_cleanly():
     u2.fire(UnitEvent.INTERRUPT, 0, "SIGINT received")
     u2.fire(UnitEvent.INTERRUPT)
     assert u2.exit_code([137]) == 130
-
-
-# ---- the driver, scripted ----------------------------------------------------------------
-class ManualClock:
-    """Moves only when told; timers fire in order as it moves."""
-
-    def __init__(self):
-        self.t = 0.0
-        self._timers: list = []
-        self._seq = itertools.count()
-
-    def now(self):
-        return self.t
-
-    def call_later(self, delay, fn):
-        handle = _Handle()
-        heapq.heappush(self._timers, (self.t + max(0.0, delay), next(self._seq), fn, handle))
-        return handle
-
-    async def sleep(self, delay):
-        fut = asyncio.get_running_loop().create_future()
-        self.call_later(delay, lambda: fut.done() or fut.set_result(None))
-        await fut
-
-    async def advance(self, dt):
-        target = self.t + dt
-        while self._timers and self._timers[0][0] <= target:
-            due, _, fn, handle = heapq.heappop(self._timers)
-            self.t = due
-            if not handle.cancelled:
-                fn()
-            await settle()
-        self.t = target
-        await settle()
-
-
-class _Handle:
-    cancelled = False
-
-    def cancel(self):
-        self.cancelled = True
-
-
-async def settle(rounds: int = 6):
-    for _ in range(rounds):
-        await asyncio.sleep(0.002)
-
-
-class ScriptedOs:
-    """A process table: children die when told; `stubborn` ones ignore SIGTERM."""
-
-    def __init__(self, stubborn=()):
-        self.next_pid = 1000
-        self.names: dict[int, str] = {}
-        self.by_name: dict[str, int] = {}
-        self.tokens: dict[int, str] = {}   # port -> instance token of the spawn
-        self.stubborn = set(stubborn)
-        self.exits: list[tuple[int, int]] = []
-        self.signals: list[tuple[str, int]] = []     # every group signal sent
-        self.delivered: list[tuple[str, int]] = []   # those that reached a live child
-        self.write_ends: dict[int, int] = {}
-        self.spawned: list[str] = []
-        self.fail_spawn: set[str] = set()
-        self.sup: Supervisor | None = None
-
-    def getpid(self):
-        return 1
-
-    def become_subreaper(self):
-        return True
-
-    def raise_open_files_limit(self):
-        pass
-
-    def spawn(self, argv, env, stdin_data=None):
-        name = env["ONECARD_SERVICE_NAME"]
-        if name in self.fail_spawn:
-            raise FileNotFoundError(2, "No such file or directory")
-        self.next_pid += 1
-        pid = self.next_pid
-        self.names[pid], self.by_name[name] = name, pid
-        self.tokens[int(env["ONECARD_SERVICE_PORT"])] = env["ONECARD_INSTANCE_TOKEN"]
-        self.spawned.append(name)
-        r, w = os.pipe()
-        os.write(w, f"hello from {name}\n".encode())
-        self.write_ends[pid] = w
-        return Spawned(pid, r)
-
-    def die(self, name_or_pid, status):
-        pid = self.by_name.get(name_or_pid, name_or_pid)
-        self.exits.append((pid, status))
-        if pid in self.write_ends:
-            os.close(self.write_ends.pop(pid))
-        self.sup.handle_sigchld()
-
-    def kill_group(self, pgid, sig):
-        name = self.names[pgid]
-        self.signals.append((name, sig))
-        alive = pgid in self.write_ends
-        if alive:
-            self.delivered.append((name, sig))
-        if alive and (sig == signal.SIGKILL or (sig == signal.SIGTERM and name not in self.stubborn)):
-            status = sig if sig == signal.SIGKILL else 0  # raw wait status: killed by N, or exit 0
-            asyncio.get_running_loop().call_soon(self.die, pgid, status)
-        return alive
-
-    def kill(self, pid, sig):
-        return self.kill_group(pid, sig)
-
-    def reap(self):
-        out, self.exits = self.exits, []
-        return out
-
-    def close(self, fd):
-        pass
-
-
-class NullSampler(Sampler):
-    def start(self):
-        pass
-
-
-class Script:
-    """Probe answers per (service, path): a value, or a function of the call count."""
-
-    def __init__(self, fake: ScriptedOs):
-        self.fake = fake
-        self.answers: dict[tuple[str, str], object] = {}
-        self.ports: dict[int, str] = {}
-
-    def set(self, name, path, answer):
-        self.answers[(name, path)] = answer
-
-    async def __call__(self, target, path, timeout, max_body=0):
-        name = self.ports[target.port]
-        answer = self.answers.get((name, path), 200)
-        if answer == "foreign":
-            return ProbeResult(200, b"{}", instance="someone-else")
-        if isinstance(answer, int):
-            token = self.fake.tokens.get(target.port, "")
-            return ProbeResult(answer, json.dumps({"instance": token}).encode(), instance=token)
-        return answer
-
-
-def make(tmp_path, names=("a", "b"), stubborn=(), port_problem=None, **sup):
-    cfg = Config.model_validate({
-        "supervisor": {"grace_s": 2.0, "health_port": 0, "control_socket": str(tmp_path / "s" / "c.sock"),
-                       "liveness_period_s": 1.0, "readiness_period_s": 0.1, "startup_timeout_s": 30, **sup},
-        "services": {n: {"app": "m:f", "port": 9000 + i, "threads": 1} for i, n in enumerate(names)},
-    })
-    plan = build_plan(cfg, CpuQuota(4, "affinity", 4, None, None), {})
-    fake = ScriptedOs(stubborn)
-    script = Script(fake)
-    script.ports = {9000 + i: n for i, n in enumerate(names)}
-    clock = ManualClock()
-    out = io.BytesIO()
-    s = Supervisor(cfg, plan, os_layer=fake, clock=clock, log=LogSink("text", out), prober=script,
-                   sampler=NullSampler(), port_check=port_problem or (lambda host, port: None))
-    fake.sup = s
-    return s, fake, clock, script, out
-
-
-def history(s, clock, steps):
-    """Run the supervisor through steps: numbers advance the clock, callables act."""
-    async def main():
-        task = asyncio.create_task(s.run())
-        await settle()
-        for step in steps:
-            if isinstance(step, (int, float)):
-                await clock.advance(step)
-            else:
-                step()
-                await settle()
-            if task.done():
-                break
-        for _ in range(200):  # let the stop play out: grace and the rest
-            if task.done():
-                break
-            await clock.advance(0.5)
-        return await asyncio.wait_for(task, 5)
-    return asyncio.run(main())
-
-
-def text(out) -> str:
-    return out.getvalue().decode()
 
 
 def test_child_exit_terminates_the_others_and_returns_its_code(tmp_path):
@@ -367,7 +175,8 @@ def test_an_answer_from_another_process_is_not_readiness(tmp_path):
     assert history(s, clock, [1.0, 1.0, 1.0, 1.0]) == 3
     assert s.children[0].history == [(State.PENDING, Event.STARTED, State.STARTING),
                                      (State.STARTING, Event.TERM, State.STOPPING),
-                                     (State.STOPPING, Event.EXITED, State.EXITED)]  # never READY
+                                     (State.STOPPING, Event.EXITED, State.LINGERING),
+                                     (State.LINGERING, Event.EMPTIED, State.EXITED)]  # never READY
     assert "a not ready after 3 s (last probe: /readyz on 127.0.0.1:9000 was answered by another process" in text(out)
 
 
@@ -431,6 +240,30 @@ def test_only_our_childs_answers_count(result, ours):
     assert got.ok is ours and got.foreign is (not ours)
 
 
-def test_a_listener_in_the_tree_makes_an_anonymous_answer_ours_once_checked():
+def test_a_listener_in_the_tree_makes_an_anonymous_answer_ours():
     got, child = _identity_case(ProbeResult(200, b"{}", via="tcp"), listeners={51})
-    assert got.ok and child.listener_verified
+    assert got.ok
+
+
+def test_every_anonymous_answer_is_checked_not_only_the_first():
+    """The server dies and another process takes the port: the next answer is foreign."""
+    from supervisor.child import ChildProcess
+    from supervisor.plan import ServicePlan
+    from supervisor.probe import ChildProber
+
+    listeners = {51}
+
+    async def prober(target, path, timeout, max_body):
+        return ProbeResult(200, b"{}", via="tcp")
+
+    child = ChildProcess(ServicePlan("svc", "127.0.0.1", 9000, ["x"], {}, {}, 1), pid=50, token="t")
+    p = ChildProber(prober, tree_pids=lambda pid: {50, 51}, listener_pids=lambda port, pids: listeners & pids)
+
+    async def twice():
+        first = await p.get(child, "/healthz", 1.0)
+        listeners.clear()   # our server (51) is gone; someone outside the tree listens now
+        return first, await p.get(child, "/healthz", 1.0)
+
+    first, second = asyncio.run(twice())
+    assert first.ok and not second.ok and second.foreign
+    assert "no process of the service's tree listens on port 9000" in second.error

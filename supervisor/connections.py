@@ -1,0 +1,69 @@
+"""Connection slots for the supervisor's two servers (the probe port, the control socket).
+
+A bounded number of connections is open at once. When every slot is taken, a newcomer is
+not turned away: the connection that has waited longest without sending anything is closed
+to make room, else the one that has waited longest for the rest of an unfinished request.
+A connection whose request is complete (being answered) is never closed that way. Real
+callers (an orchestrator's probe, `onecard status`) send their whole request the moment
+they connect, usually before the supervisor even accepts them, so clients that connect and
+send nothing, or trickle, cannot lock them out: they are the ones that make room. Only when
+every slot holds a request being answered is a newcomer closed at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import struct
+import termios
+from typing import Any
+
+
+def has_bytes_waiting(writer: Any) -> bool:
+    """Bytes already sent by the client and not read yet (FIONREAD on its socket)."""
+    try:
+        fd = writer.get_extra_info("socket").fileno()
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0] > 0
+    except (OSError, AttributeError, ValueError):
+        return False
+
+
+class Slots:
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._empty: dict[Any, None] = {}    # nothing received yet; insertion order: oldest first
+        self._partial: dict[Any, None] = {}  # some bytes, no complete request yet
+        self._busy: set[Any] = set()         # request complete: being answered
+        self.closed_early = 0                # closed to make room, and newcomers refused
+
+    def __len__(self) -> int:
+        return len(self._empty) + len(self._partial) + len(self._busy)
+
+    def admit(self, writer: Any) -> bool:
+        """Take a slot for a new connection; False when it must be closed at once."""
+        if len(self) >= self.limit:
+            self.closed_early += 1
+            pool = self._empty or self._partial
+            if not pool:
+                return False
+            oldest = next(iter(pool))
+            del pool[oldest]
+            oldest.transport.abort()  # its handler sees the reset and leaves
+        (self._partial if has_bytes_waiting(writer) else self._empty)[writer] = None
+        return True
+
+    def started(self, writer: Any) -> None:
+        """It sent its first bytes."""
+        if writer in self._empty:
+            del self._empty[writer]
+            self._partial[writer] = None
+
+    def working(self, writer: Any) -> None:
+        """Its request is complete: it is not closed to make room any more."""
+        self._empty.pop(writer, None)
+        self._partial.pop(writer, None)
+        self._busy.add(writer)
+
+    def leave(self, writer: Any) -> None:
+        self._empty.pop(writer, None)
+        self._partial.pop(writer, None)
+        self._busy.discard(writer)
