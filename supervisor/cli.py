@@ -43,6 +43,7 @@ def main_options(
 def _load(config: Optional[str], sets: List[str]):
     from supervisor.config import ConfigError, load_config
     from supervisor.configpath import resolve
+    from services.runtime.memory import memory_limit
     from supervisor.cpuquota import read_cpu_quota
     from supervisor.gpu import GpuFacts
     from supervisor.mps import MpsDaemon
@@ -52,7 +53,7 @@ def _load(config: Optional[str], sets: List[str]):
         # byte budgets are judged against the card the services get (gpu.visible_devices)
         cfg = load_config(source.path, sets, gpu_total_bytes=lambda devices: GpuFacts(devices).total_bytes(),
                           origin=source.origin if source.origin != "built-in default" else None)
-        plan = build_plan(cfg, read_cpu_quota(), os.environ)
+        plan = build_plan(cfg, read_cpu_quota(), os.environ, memory_limit())
         if plan.mps_dir is not None:
             problem = MpsDaemon(plan.mps_dir).problem()
             if problem:

@@ -103,6 +103,9 @@ class ServiceSettings(_Strict):
     enabled: bool = True
     gpu_memory_fraction: float | None = Field(None, gt=0, le=1, description="GPU memory budget, share of the card")
     gpu_memory_bytes: int | None = Field(None, gt=0, description="GPU memory budget in bytes")
+    memory_fraction: float | None = Field(None, gt=0, le=1, description="host memory budget, share of the unit's "
+                                          "memory limit (default: an equal share of what the others leave)")
+    memory_bytes: int | None = Field(None, gt=0, description="host memory budget in bytes")
     mps_thread_percentage: int | None = Field(None, ge=1, le=100,
                                               description="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE under MPS")
     drain_s: float | None = Field(None, gt=0, le=3600, description="this service's drain timeout "
@@ -135,6 +138,8 @@ class ServiceSettings(_Strict):
             raise ValueError("set exactly one of 'app' and 'command'")
         if self.gpu_memory_fraction is not None and self.gpu_memory_bytes is not None:
             raise ValueError("set at most one of 'gpu_memory_fraction' and 'gpu_memory_bytes'")
+        if self.memory_fraction is not None and self.memory_bytes is not None:
+            raise ValueError("set at most one of 'memory_fraction' and 'memory_bytes'")
         return self
 
 
@@ -301,6 +306,9 @@ def termination_grace_min(config: Config) -> float:
     return config.supervisor.grace_s + extra + FLUSH_MARGIN_S
 
 
+UNIT_MEMORY_SHARE = 0.9  # of the unit's memory limit, for its services; the rest: supervisor, sentinel, kernel
+
+
 def budget_fractions(config: Config, total_bytes: int | None) -> dict[str, float | None]:
     """Each service's GPU memory budget as a share of the card (None: no budget, or bytes
     that cannot be converted without knowing the card)."""
@@ -341,6 +349,10 @@ def semantic_problems(config: Config, gpu_total_bytes: int | None = None) -> lis
         parts = ", ".join(f"{n} {v:.2f}" for n, v in shares.items() if v is not None)
         problems.append(f"services.*.gpu_memory_fraction: budgets add up to {total_share:.2f} of the card "
                         f"({parts}); expected at most 1.0")
+    host_share = sum(s.memory_fraction or 0.0 for s in config.enabled_services().values())
+    if host_share > UNIT_MEMORY_SHARE + 1e-9:
+        problems.append(f"services.*.memory_fraction: budgets add up to {host_share:.2f} of the unit's memory; "
+                        f"expected at most {UNIT_MEMORY_SHARE:g} (the rest is the supervisor's and the kernel's)")
     seen: dict[int, str] = {}
     if config.supervisor.health_port:
         seen[config.supervisor.health_port] = "supervisor.health_port"

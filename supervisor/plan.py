@@ -100,9 +100,32 @@ def _unit_services(config: "Config") -> dict[str, dict[str, str]]:
     return out
 
 
-def build_plan(config: "Config", quota: CpuQuota, base_env: Mapping[str, str]) -> Plan:
+def plan_memory(config: "Config", limit: int | None) -> dict[str, int]:
+    """Each service's host memory budget in bytes, from the unit's memory limit (cgroup, else
+    the machine's RAM): what a service asks for (bytes, or a share of the limit), and an
+    equal share of what is left of UNIT_MEMORY_SHARE for the others. No limit known: none."""
+    from supervisor.config import UNIT_MEMORY_SHARE
+    services = config.enabled_services()
+    out: dict[str, int] = {}
+    if not limit:
+        return {n: s.memory_bytes for n, s in services.items() if s.memory_bytes}
+    for name, svc in services.items():
+        if svc.memory_bytes:
+            out[name] = svc.memory_bytes
+        elif svc.memory_fraction:
+            out[name] = int(limit * svc.memory_fraction)
+    rest = [n for n in services if n not in out]
+    left = max(0, int(limit * UNIT_MEMORY_SHARE) - sum(out.values()))
+    for name in rest:
+        out[name] = left // len(rest)
+    return out
+
+
+def build_plan(config: "Config", quota: CpuQuota, base_env: Mapping[str, str],
+               memory_limit: int | None = None) -> Plan:
     from supervisor.config import drain_of, probe_socket_of, run_dir_of
     threads, warnings = plan_threads(config, quota)
+    memory = plan_memory(config, memory_limit)
     mps_dir = mps_dir_of(config)
     unit_services = json.dumps(_unit_services(config), sort_keys=True)
     plans = []
@@ -130,6 +153,8 @@ def build_plan(config: "Config", quota: CpuQuota, base_env: Mapping[str, str]) -
             own["ONECARD_SERVICE_APP"] = svc.app
             probe_socket = probe_socket_of(config, name)
             own["ONECARD_PROBE_SOCKET"] = probe_socket
+        if memory.get(name):
+            own["ONECARD_MEMORY_BUDGET_BYTES"] = str(memory[name])
         if svc.gpu_memory_fraction is not None:
             own["ONECARD_GPU_MEMORY_FRACTION"] = f"{svc.gpu_memory_fraction:g}"
         if svc.gpu_memory_bytes is not None:

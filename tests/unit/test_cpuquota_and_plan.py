@@ -117,3 +117,30 @@ def test_every_service_learns_where_the_units_app_services_listen():
     for sp in plan.services:
         assert json.loads(sp.env["ONECARD_UNIT_SERVICES"]) == {
             "a": {"url": "http://127.0.0.1:9000"}, "b": {"url": "http://[::1]:9001"}}
+
+
+def test_each_service_gets_a_host_memory_budget_from_the_units_limit():
+    from supervisor.plan import plan_memory
+    gib = 2**30
+    cfg = Config.model_validate({"services": {
+        "big": {"app": "m:f", "port": 9001, "memory_fraction": 0.5},
+        "fixed": {"app": "m:f", "port": 9002, "memory_bytes": gib},
+        "a": {"app": "m:f", "port": 9003}, "b": {"app": "m:f", "port": 9004}}})
+    budgets = plan_memory(cfg, 8 * gib)
+    assert budgets["big"] == 4 * gib and budgets["fixed"] == gib
+    assert budgets["a"] == budgets["b"] == (int(8 * gib * 0.9) - 5 * gib) // 2  # an equal share of what is left
+    assert plan_memory(cfg, None) == {"fixed": gib}  # no limit known: only what was asked in bytes
+    plan = build_plan(cfg, quota(4), {}, memory_limit=8 * gib)
+    assert {p.name: p.env.get("ONECARD_MEMORY_BUDGET_BYTES") for p in plan.services} == {
+        n: str(v) for n, v in budgets.items()}
+
+
+def test_memory_shares_over_the_units_are_a_config_problem():
+    from supervisor.config import semantic_problems
+    cfg = Config.model_validate({"services": {
+        "a": {"app": "m:f", "port": 9001, "memory_fraction": 0.6},
+        "b": {"app": "m:f", "port": 9002, "memory_fraction": 0.5}}})
+    assert any("memory_fraction: budgets add up to 1.10" in p for p in semantic_problems(cfg))
+    with pytest.raises(ValueError):
+        Config.model_validate({"services": {"a": {"app": "m:f", "port": 9001, "memory_fraction": 0.5,
+                                                  "memory_bytes": 10}}})
