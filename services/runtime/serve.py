@@ -12,6 +12,9 @@ Exit codes: 0 after a complete drain, 75 when the drain ran out of time and in-f
 work was cancelled, 78 (EX_CONFIG) when the service cannot start (the app cannot be
 imported or built, its model will not load, its port is taken), 70 when the supervisor
 disappeared.
+
+The app is served behind the auth failure gate (services.runtime.auth_limit): the
+rate limit of credential guessing holds for every service started here.
 """
 
 from __future__ import annotations
@@ -57,6 +60,28 @@ def raise_open_files_limit() -> int:
     return soft
 
 
+# glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB), so
+# after one big answer is freed the next ones come from the heap and are never given back:
+# twenty 27 MB answers cut by the send deadline kept +490 MB of RSS for good. A fixed
+# threshold keeps large blocks in their own mappings, returned to the system when freed.
+MMAP_THRESHOLD = 1 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def fix_malloc_thresholds() -> bool:
+    """Fixed glibc thresholds (unless the environment sets its own): big blocks are given
+    back. False where there is no glibc (musl, macOS)."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return False
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD))
+
+
 def load_factory(spec: str):
     module_name, _, attr = spec.partition(":")
     return getattr(importlib.import_module(module_name), attr)
@@ -74,6 +99,7 @@ def _seconds(env, *names: str, default: float) -> float:
 def main() -> int:
     from services.runtime.threads import set_passive_waits
     set_passive_waits()
+    fix_malloc_thresholds()
     env = os.environ
     name = env.get("ONECARD_SERVICE_NAME", "service")
     spec = env.get("ONECARD_SERVICE_APP")
@@ -94,28 +120,32 @@ def main() -> int:
         return EXIT_START_FAILED
 
     import uvicorn
-    from services.runtime.protocol import ConnectionLimits, guarded_protocol
+
+    from services.runtime.auth_limit import AuthFailureGate, FailureLimiter
+    from services.runtime.protocol import ConnectionStats, guarded_protocol
+    from services.runtime.send_deadline import KernelQueueLinger
 
     fds = raise_open_files_limit()
     ctx = getattr(getattr(app, "state", None), "ctx", None)
-    limits_src = getattr(ctx, "settings", None)
-    limits = ConnectionLimits(
-        # open connections plus as many lingering refusals must fit under the descriptor limit
-        max_connections=min(getattr(limits_src, "max_connections", 512), max(16, (fds - 64) // 2)),
-        max_header_bytes=getattr(limits_src, "max_header_bytes", 16 * 1024),
-        header_timeout_s=getattr(limits_src, "header_timeout_s", 10.0),
-        body_timeout_s=getattr(limits_src, "body_timeout_s", 60.0),
-    )
+    limits = connection_limits(getattr(ctx, "settings", None), fds)
+    linger = KernelQueueLinger(limits.send_timeout_s, limits.max_connections)
+    limiter = FailureLimiter(_setting(ctx, "auth_max_failures", 10), _setting(ctx, "auth_failure_window_s", 60.0))
+    registry = getattr(getattr(ctx, "metrics", None), "registry", None)
+    if registry is not None:
+        from services.runtime.edge_metrics import EdgeCollector
+        registry.register(EdgeCollector(ConnectionStats, limiter, linger))
+    drain_s = _seconds(env, "ONECARD_DRAIN_S", "ONECARD_GRACE_S", default=8.0)
     config = uvicorn.Config(
-        app,
+        AuthFailureGate(app, limiter),
         host=env.get("ONECARD_SERVICE_HOST", "127.0.0.1"),
         port=int(env.get("ONECARD_SERVICE_PORT", "8000")),
         log_level=env.get("ONECARD_LOG_LEVEL", "info"),
         access_log=False,  # the runtime's own request log (ONECARD_ACCESS_LOG=1) carries timings
-        timeout_graceful_shutdown=_seconds(env, "ONECARD_DRAIN_S", "ONECARD_GRACE_S", default=8.0),
-        timeout_keep_alive=getattr(limits_src, "keepalive_timeout_s", 5.0),
+        timeout_graceful_shutdown=drain_s,
+        timeout_keep_alive=_setting(ctx, "keepalive_timeout_s", 5.0),
         lifespan="on",
-        http=guarded_protocol(limits),
+        http=guarded_protocol(limits, linger=linger),
+        ws="none",  # no route takes a WebSocket; an installed library must not bypass the guarded protocol
         backlog=min(2048, limits.max_connections * 2),
     )
 
@@ -148,6 +178,23 @@ def main() -> int:
     if not server.started:
         return EXIT_START_FAILED
     return 0 if server.drained else EXIT_DRAIN_CUT
+
+
+def _setting(ctx, name: str, default):
+    return getattr(getattr(ctx, "settings", None), name, default)
+
+
+def connection_limits(settings, fds: int):
+    """The protocol's limits from a service's settings (any object with the keys; a missing
+    key keeps its default, so a service with its own settings model gets them all)."""
+    from services.runtime.protocol import ConnectionLimits
+    defaults = ConnectionLimits()
+    values = {name: getattr(settings, name, getattr(defaults, name))
+              for name in ConnectionLimits.__dataclass_fields__}
+    # open connections, as many lingering refusals and as many unread answers draining from
+    # the kernel must all fit under the descriptor limit
+    values["max_connections"] = min(values["max_connections"], max(16, (fds - 64) // 3))
+    return ConnectionLimits(**values)
 
 
 if __name__ == "__main__":
