@@ -13,6 +13,12 @@ work was cancelled, 78 (EX_CONFIG) when the service cannot start (the app cannot
 imported or built, its model will not load, its port is taken), 70 when the supervisor
 disappeared.
 
+A drain that runs out ends the process by itself: a model call cannot be cancelled, and
+the interpreter would wait for its executor thread at exit (for as long as the call
+takes) until the supervisor's SIGKILL. So when in-flight work was cut the process
+exits 75 at once, and a watchdog started by the stop signal exits 75 at the latest
+``drain_s + min(1, drain_s / 2)`` after it, whatever is still running.
+
 The app is served behind the auth failure gate (services.runtime.auth_limit): the
 rate limit of credential guessing holds for every service started here.
 """
@@ -96,6 +102,33 @@ def _seconds(env, *names: str, default: float) -> float:
     return default
 
 
+def drain_exit_margin(drain_s: float) -> float:
+    """Time after the drain window for the app's shutdown before the watchdog ends it; below
+    the supervisor's own margin (grace_s - drain_s, at least min(2, grace_s / 2))."""
+    return min(1.0, drain_s / 2)
+
+
+def hard_exit(code: int) -> None:
+    """Exit now, without waiting for threads still running a model call."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def start_drain_watchdog(stop_requested: threading.Event, limit_s: float) -> None:
+    def watch() -> None:
+        stop_requested.wait()
+        time.sleep(limit_s)
+        print(f"{os.environ.get('ONECARD_SERVICE_NAME', 'service')}: still running {limit_s:g} s after the "
+              f"stop signal; exiting {EXIT_DRAIN_CUT}", file=sys.stderr)
+        hard_exit(EXIT_DRAIN_CUT)
+
+    threading.Thread(target=watch, name="onecard-drain-watchdog", daemon=True).start()
+
+
 def main() -> int:
     from services.runtime.threads import set_passive_waits
     set_passive_waits()
@@ -148,6 +181,8 @@ def main() -> int:
         ws="none",  # no route takes a WebSocket; an installed library must not bypass the guarded protocol
         backlog=min(2048, limits.max_connections * 2),
     )
+    stop_requested = threading.Event()
+    start_drain_watchdog(stop_requested, drain_s + drain_exit_margin(drain_s))
 
     class Server(uvicorn.Server):
         drained = False
@@ -155,6 +190,7 @@ def main() -> int:
         def handle_exit(self, sig, frame):  # readiness goes 503 the moment the drain starts
             if ctx is not None:
                 ctx.draining = True
+            stop_requested.set()  # only flags: the watchdog thread does the waiting
             super().handle_exit(sig, frame)
 
         async def _wait_tasks_to_complete(self) -> None:
@@ -177,7 +213,10 @@ def main() -> int:
     # exit with EX_CONFIG so that the supervisor's exit code says the service could not start.
     if not server.started:
         return EXIT_START_FAILED
-    return 0 if server.drained else EXIT_DRAIN_CUT
+    if not server.drained:
+        # in-flight work was cancelled, but a model call keeps its thread: do not wait for it
+        hard_exit(EXIT_DRAIN_CUT)
+    return 0
 
 
 def _setting(ctx, name: str, default):
