@@ -30,52 +30,18 @@ a time holds a connection forever (uvicorn issue 157). Here, per connection:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from services.runtime.connection_limits import ConnectionLimits, ConnectionStats, error_bytes
 from services.runtime.send_deadline import KernelQueueLinger, SendWatch, reset
 
+__all__ = ["ConnectionLimits", "ConnectionStats", "error_bytes", "guarded_protocol"]
+
 log = logging.getLogger("onecard.service")
-
-
-@dataclass(frozen=True)
-class ConnectionLimits:
-    max_connections: int = 512
-    max_header_bytes: int = 16 * 1024
-    max_header_count: int = 100
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 60.0
-    send_timeout_s: float = 30.0
-    max_pipelined_requests: int = 16
-    max_body_bytes: int = 20 * 2**20
-
-    @property
-    def max_body_framing_bytes(self) -> int:
-        """Raw bytes one request body may take on the wire, framing included."""
-        return 2 * self.max_body_bytes + 64 * 1024
-
-
-class ConnectionStats:
-    """Counters the service shows in /metrics (written on the event loop only)."""
-    refused = 0
-    timed_out = 0
-    headers_too_large = 0
-    bad_requests = 0
-    send_timeouts = 0
-    pipeline_refused = 0
-    framing_too_large = 0
-
-
-def error_bytes(status: int, code: str, message: str, extra_headers: bytes = b"") -> bytes:
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
-    return (STATUS_LINE[status] + b"content-type: application/json\r\n"
-            + b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n"
-            + extra_headers + b"\r\n" + body)
 
 
 LINGER_S = 1.0
@@ -182,14 +148,16 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
 
         # ---- answers: the send deadline and the order of answers ----------------------
         def pause_writing(self) -> None:
+            if self._send_watch is None:
+                return  # a refused connection: its 503 is all it gets, closed within LINGER_S
             super().pause_writing()
-            if self._send_watch is not None:
-                self._send_watch.start()
+            self._send_watch.start()
 
         def resume_writing(self) -> None:
+            if self._send_watch is None:
+                return
             super().resume_writing()
-            if self._send_watch is not None:
-                self._send_watch.stop()
+            self._send_watch.stop()
 
         def _on_send_stuck(self) -> None:
             stats.send_timeouts += 1

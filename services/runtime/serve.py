@@ -155,12 +155,13 @@ def main() -> int:
     import uvicorn
 
     from services.runtime.auth_limit import AuthFailureGate, FailureLimiter
+    from services.runtime.connection_limits import limits_from_settings
     from services.runtime.protocol import ConnectionStats, guarded_protocol
     from services.runtime.send_deadline import KernelQueueLinger
 
     fds = raise_open_files_limit()
     ctx = getattr(getattr(app, "state", None), "ctx", None)
-    limits = connection_limits(getattr(ctx, "settings", None), fds)
+    limits = limits_from_settings(getattr(ctx, "settings", None), fds)
     linger = KernelQueueLinger(limits.send_timeout_s, limits.max_connections)
     limiter = FailureLimiter(_setting(ctx, "auth_max_failures", 10), _setting(ctx, "auth_failure_window_s", 60.0))
     registry = getattr(getattr(ctx, "metrics", None), "registry", None)
@@ -221,19 +222,6 @@ def main() -> int:
 
 def _setting(ctx, name: str, default):
     return getattr(getattr(ctx, "settings", None), name, default)
-
-
-def connection_limits(settings, fds: int):
-    """The protocol's limits from a service's settings (any object with the keys; a missing
-    key keeps its default, so a service with its own settings model gets them all)."""
-    from services.runtime.protocol import ConnectionLimits
-    defaults = ConnectionLimits()
-    values = {name: getattr(settings, name, getattr(defaults, name))
-              for name in ConnectionLimits.__dataclass_fields__}
-    # open connections, as many lingering refusals and as many unread answers draining from
-    # the kernel must all fit under the descriptor limit
-    values["max_connections"] = min(values["max_connections"], max(16, (fds - 64) // 3))
-    return ConnectionLimits(**values)
 
 
 if __name__ == "__main__":

@@ -216,6 +216,36 @@ def test_endless_chunk_extensions_cost_at_most_twice_the_body_limit(svc):
     still_serves(svc)
 
 
+def test_a_chunk_size_that_overflows_is_400(svc):
+    with connect(svc) as s:
+        s.sendall(b"POST /api/v1/echo?id=ovf HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n" + b"F" * 40 + b"\r\n" + PNG)
+        answers = read_responses(s)
+    assert [a[0] for a in answers] == [400] and error_code(answers[0][2]) == "bad_request"
+    still_serves(svc)
+
+
+def test_a_huge_announced_chunk_is_cut_at_the_body_limit(svc):
+    before = bytes_read_by(svc)
+    with connect(svc) as s:
+        s.sendall(b"POST /api/v1/echo?id=bigchunk HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n7FFFFFFFFFFF\r\n")
+        try:
+            for _ in range(256):
+                s.sendall(b"\0" * 65536)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        try:
+            answers = read_responses(s, 1)
+        except ConnectionResetError:
+            answers = []
+    assert bytes_read_by(svc) - before < 4 * 2**20
+    if answers:
+        assert answers[0][0] == 413 and error_code(answers[0][2]) == "body_too_large"
+    assert "bigchunk" not in httpx.get(svc.url + "/seen").json()["seen"]
+    still_serves(svc)
+
+
 def test_a_client_half_closing_inside_its_head_gets_400(svc):
     with connect(svc) as s:
         s.sendall(b"GET /wait?s=0 HTTP/1.1\r\nHost: x\r\n")
