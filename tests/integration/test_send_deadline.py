@@ -93,9 +93,10 @@ def test_clients_that_never_read_are_reset_and_their_answers_freed(svc):
     timeouts_before = metric(svc, "onecard_send_timeouts_total")
     clients = [ask_and_never_read(svc, "/big?mb=8") for _ in range(20)]
     try:
-        held = wait_for(lambda: proc.memory_info().rss - rss_before > 50 * 2**20 and send_queue_bytes(svc.port),
-                        10, "answers pinned")
-        assert held
+        # pinned in the process (the transport buffers) and in the kernel (the send queues);
+        # how the 160 MiB split between them depends on the host's tcp_wmem
+        wait_for(lambda: proc.memory_info().rss - rss_before + send_queue_bytes(svc.port) > 20 * 4 * 2**20,
+                 10, "answers pinned")
         wait_for(lambda: server_sockets(svc) == 0, SEND_TIMEOUT_S * 4 + 10, "every stuck connection reset")
         assert send_queue_bytes(svc.port) == 0
         wait_for(lambda: proc.memory_info().rss - rss_before < 40 * 2**20, 10, "RSS back near its start")
