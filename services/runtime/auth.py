@@ -3,7 +3,9 @@
 The API key comes as ``Authorization: Bearer <key>`` or ``X-API-Key``; Basic pairs as
 the AUTOMATIC1111 webui's ``--api-auth`` does (``user:password``, several separated by
 commas), read from an environment variable or a file so that no password sits in the
-config or is ever printed. Every comparison is constant-time.
+config or is ever printed. Every comparison is constant-time, and a request carries one
+credential: repeated credential headers are refused, not tried one by one. Failures are
+counted and rate-limited per client address by services.runtime.auth_limit.
 """
 
 from __future__ import annotations
@@ -51,18 +53,26 @@ class Credentials:
         return self.api_key is not None or bool(self.basic)
 
     def check(self, scope) -> bool:
-        ok = False
-        for name, value in scope.get("headers", ()):
-            if name == b"x-api-key" and self.api_key is not None:
-                ok |= hmac.compare_digest(value.strip(), self.api_key)
-            elif name == b"authorization":
-                scheme, _, rest = value.partition(b" ")
-                scheme = scheme.lower()
-                if scheme == b"bearer" and self.api_key is not None:
-                    ok |= hmac.compare_digest(rest.strip(), self.api_key)
-                elif scheme == b"basic" and self.basic:
-                    ok |= self._basic(rest.strip())
-        return ok
+        """True for a request that presents exactly one credential, and a right one.
+
+        Several credentials in one request (repeated ``X-API-Key`` or ``Authorization``
+        headers, or one of each) are refused whatever they hold: trying each would let one
+        request carry hundreds of guesses. A header holding several candidates (``a, b``,
+        as a proxy joins repeated headers) is compared whole, so it is one wrong value."""
+        presented = [(name, value) for name, value in scope.get("headers", ())
+                     if name in (b"x-api-key", b"authorization")]
+        if len(presented) != 1:
+            return False
+        name, value = presented[0]
+        if name == b"x-api-key":
+            return self.api_key is not None and hmac.compare_digest(value.strip(), self.api_key)
+        scheme, _, rest = value.strip().partition(b" ")
+        scheme = scheme.lower()
+        if scheme == b"bearer" and self.api_key is not None:
+            return hmac.compare_digest(rest.strip(), self.api_key)
+        if scheme == b"basic" and self.basic:
+            return self._basic(rest.strip())
+        return False
 
     def _basic(self, token: bytes) -> bool:
         try:

@@ -12,6 +12,15 @@ Exit codes: 0 after a complete drain, 75 when the drain ran out of time and in-f
 work was cancelled, 78 (EX_CONFIG) when the service cannot start (the app cannot be
 imported or built, its model will not load, its port is taken), 70 when the supervisor
 disappeared.
+
+A drain that runs out ends the process by itself: a model call cannot be cancelled, and
+the interpreter would wait for its executor thread at exit (for as long as the call
+takes) until the supervisor's SIGKILL. So when in-flight work was cut the process
+exits 75 at once, and a watchdog started by the stop signal exits 75 at the latest
+``drain_s + min(1, drain_s / 2)`` after it, whatever is still running.
+
+The app is served behind the auth failure gate (services.runtime.auth_limit): the
+rate limit of credential guessing holds for every service started here.
 """
 
 from __future__ import annotations
@@ -57,6 +66,28 @@ def raise_open_files_limit() -> int:
     return soft
 
 
+# glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB), so
+# after one big answer is freed the next ones come from the heap and are never given back:
+# twenty 27 MB answers cut by the send deadline kept +490 MB of RSS for good. A fixed
+# threshold keeps large blocks in their own mappings, returned to the system when freed.
+MMAP_THRESHOLD = 1 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def fix_malloc_thresholds() -> bool:
+    """Fixed glibc thresholds (unless the environment sets its own): big blocks are given
+    back. False where there is no glibc (musl, macOS)."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return False
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD))
+
+
 def load_factory(spec: str):
     module_name, _, attr = spec.partition(":")
     return getattr(importlib.import_module(module_name), attr)
@@ -71,9 +102,37 @@ def _seconds(env, *names: str, default: float) -> float:
     return default
 
 
+def drain_exit_margin(drain_s: float) -> float:
+    """Time after the drain window for the app's shutdown before the watchdog ends it; below
+    the supervisor's own margin (grace_s - drain_s, at least min(2, grace_s / 2))."""
+    return min(1.0, drain_s / 2)
+
+
+def hard_exit(code: int) -> None:
+    """Exit now, without waiting for threads still running a model call."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def start_drain_watchdog(stop_requested: threading.Event, limit_s: float) -> None:
+    def watch() -> None:
+        stop_requested.wait()
+        time.sleep(limit_s)
+        print(f"{os.environ.get('ONECARD_SERVICE_NAME', 'service')}: still running {limit_s:g} s after the "
+              f"stop signal; exiting {EXIT_DRAIN_CUT}", file=sys.stderr)
+        hard_exit(EXIT_DRAIN_CUT)
+
+    threading.Thread(target=watch, name="onecard-drain-watchdog", daemon=True).start()
+
+
 def main() -> int:
     from services.runtime.threads import set_passive_waits
     set_passive_waits()
+    fix_malloc_thresholds()
     env = os.environ
     name = env.get("ONECARD_SERVICE_NAME", "service")
     spec = env.get("ONECARD_SERVICE_APP")
@@ -94,30 +153,37 @@ def main() -> int:
         return EXIT_START_FAILED
 
     import uvicorn
-    from services.runtime.protocol import ConnectionLimits, guarded_protocol
+
+    from services.runtime.auth_limit import AuthFailureGate, FailureLimiter
+    from services.runtime.connection_limits import limits_from_settings
+    from services.runtime.protocol import ConnectionStats, guarded_protocol
+    from services.runtime.send_deadline import KernelQueueLinger
 
     fds = raise_open_files_limit()
     ctx = getattr(getattr(app, "state", None), "ctx", None)
-    limits_src = getattr(ctx, "settings", None)
-    limits = ConnectionLimits(
-        # open connections plus as many lingering refusals must fit under the descriptor limit
-        max_connections=min(getattr(limits_src, "max_connections", 512), max(16, (fds - 64) // 2)),
-        max_header_bytes=getattr(limits_src, "max_header_bytes", 16 * 1024),
-        header_timeout_s=getattr(limits_src, "header_timeout_s", 10.0),
-        body_timeout_s=getattr(limits_src, "body_timeout_s", 60.0),
-    )
+    limits = limits_from_settings(getattr(ctx, "settings", None), fds)
+    linger = KernelQueueLinger(limits.send_timeout_s, limits.max_connections)
+    limiter = FailureLimiter(_setting(ctx, "auth_max_failures", 10), _setting(ctx, "auth_failure_window_s", 60.0))
+    registry = getattr(getattr(ctx, "metrics", None), "registry", None)
+    if registry is not None:
+        from services.runtime.edge_metrics import EdgeCollector
+        registry.register(EdgeCollector(ConnectionStats, limiter, linger))
+    drain_s = _seconds(env, "ONECARD_DRAIN_S", "ONECARD_GRACE_S", default=8.0)
     config = uvicorn.Config(
-        app,
+        AuthFailureGate(app, limiter),
         host=env.get("ONECARD_SERVICE_HOST", "127.0.0.1"),
         port=int(env.get("ONECARD_SERVICE_PORT", "8000")),
         log_level=env.get("ONECARD_LOG_LEVEL", "info"),
         access_log=False,  # the runtime's own request log (ONECARD_ACCESS_LOG=1) carries timings
-        timeout_graceful_shutdown=_seconds(env, "ONECARD_DRAIN_S", "ONECARD_GRACE_S", default=8.0),
-        timeout_keep_alive=getattr(limits_src, "keepalive_timeout_s", 5.0),
+        timeout_graceful_shutdown=drain_s,
+        timeout_keep_alive=_setting(ctx, "keepalive_timeout_s", 5.0),
         lifespan="on",
-        http=guarded_protocol(limits),
+        http=guarded_protocol(limits, linger=linger),
+        ws="none",  # no route takes a WebSocket; an installed library must not bypass the guarded protocol
         backlog=min(2048, limits.max_connections * 2),
     )
+    stop_requested = threading.Event()
+    start_drain_watchdog(stop_requested, drain_s + drain_exit_margin(drain_s))
 
     class Server(uvicorn.Server):
         drained = False
@@ -125,6 +191,7 @@ def main() -> int:
         def handle_exit(self, sig, frame):  # readiness goes 503 the moment the drain starts
             if ctx is not None:
                 ctx.draining = True
+            stop_requested.set()  # only flags: the watchdog thread does the waiting
             super().handle_exit(sig, frame)
 
         async def _wait_tasks_to_complete(self) -> None:
@@ -147,7 +214,14 @@ def main() -> int:
     # exit with EX_CONFIG so that the supervisor's exit code says the service could not start.
     if not server.started:
         return EXIT_START_FAILED
-    return 0 if server.drained else EXIT_DRAIN_CUT
+    if not server.drained:
+        # in-flight work was cancelled, but a model call keeps its thread: do not wait for it
+        hard_exit(EXIT_DRAIN_CUT)
+    return 0
+
+
+def _setting(ctx, name: str, default):
+    return getattr(getattr(ctx, "settings", None), name, default)
 
 
 if __name__ == "__main__":

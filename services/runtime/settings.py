@@ -83,6 +83,19 @@ class RuntimeSettings(BaseModel):
                                   description="time to receive a whole request body; then 408")
     keepalive_timeout_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False,
                                        description="an idle kept-alive connection is closed after this")
+    send_timeout_s: float = Field(30.0, gt=0, le=3600, allow_inf_nan=False,
+                                  description="a client that takes none of its answer for this long (nginx's "
+                                  "send_timeout) is reset and the buffered answer freed")
+    max_header_count: int = Field(100, ge=8, le=10_000,
+                                  description="header fields in one request; beyond: 431 and the connection is closed")
+    max_pipelined_requests: int = Field(16, ge=1, le=1024,
+                                        description="requests queued behind the one being answered on a connection; "
+                                        "beyond: 429 after the earlier answers, and the connection is closed")
+    auth_max_failures: int = Field(10, ge=0, le=1_000_000,
+                                   description="failed credential checks per client address within "
+                                   "auth_failure_window_s; beyond: 429 with Retry-After (0: no limit)")
+    auth_failure_window_s: float = Field(60.0, gt=0, le=86400, allow_inf_nan=False,
+                                         description="the window over which auth_max_failures is counted")
     loop_stall_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False,
                                 description="/healthz fails when the event loop has not run for this long")
 

@@ -1,0 +1,31 @@
+"""The scripted service (tests.children.scripted_app) plus routes for the HTTP edge tests.
+
+GET /big?mb=N answers N MiB built for that request (its own memory, as an encoded
+image would be); GET /wait?s=S answers after S seconds of awaiting (no model, no
+thread); GET /whoami answers the client address the app sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+from tests.children.scripted_app import create_app as create_scripted_app
+
+
+def create_app(settings: dict[str, Any]) -> FastAPI:
+    app = create_scripted_app(settings)
+
+    @app.get("/big")
+    async def big(mb: float = 1.0):
+        return Response(b"\x01" * int(mb * 2**20), media_type="application/octet-stream")
+
+    @app.get("/wait")
+    async def wait(s: float = 1.0, tag: str = ""):
+        await asyncio.sleep(s)
+        return {"waited": s, "tag": tag}
+
+    return app

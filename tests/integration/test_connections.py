@@ -1,0 +1,286 @@
+"""The HTTP edge against hostile clients, on raw sockets to a real service process: request
+heads counted as they arrive, pipelining that never loses or reorders an answer, body
+framing bounded, half-closed clients, HTTP/1.0, Expect: 100-continue and upgrades.
+Every case must end in a clear 4xx in the JSON envelope and a bounded cost, and the
+service must answer the next client normally."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.images import small_png
+from tests.service_harness import ServiceProcess
+
+APP = "tests.children.edge_app:create_app"
+PNG = small_png()
+MAX_HEADER_BYTES = 4096
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory):
+    settings = {"header_timeout_s": 1.5, "body_timeout_s": 1.5, "max_header_bytes": MAX_HEADER_BYTES,
+                "max_header_count": 20, "max_pipelined_requests": 4, "max_body_bytes": 64 * 1024,
+                "max_batch_size": 1, "max_queue": 8, "cpu_workers": 2}
+    with ServiceProcess(APP, settings, tmp_path_factory.mktemp("connections")) as s:
+        yield s
+
+
+def connect(svc, timeout: float = 10.0) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", svc.port))
+    s.settimeout(timeout)
+    return s
+
+
+def read_responses(s: socket.socket, count: int | None = None) -> list[tuple[int, dict, bytes]]:
+    """Whole responses (with a Content-Length) until ``count`` or the connection closes."""
+    data, out = b"", []
+    while count is None or len(out) < count:
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(65536)
+            if not chunk:
+                assert not data, f"closed inside a response head: {data[:200]!r}"
+                return out
+            data += chunk
+        head, _, rest = data.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split(b" ", 2)[1])
+        headers = {k.strip().lower().decode(): v.strip().decode()
+                   for k, _, v in (line.partition(b":") for line in lines[1:])}
+        length = int(headers.get("content-length", "0"))
+        while len(rest) < length:
+            chunk = s.recv(65536)
+            assert chunk, "closed inside a response body"
+            rest += chunk
+        out.append((status, headers, rest[:length]))
+        data = rest[length:]
+        if status in (100,):
+            out.pop()
+    return out
+
+
+def error_code(body: bytes) -> str:
+    return json.loads(body)["error"]["code"]
+
+
+def still_serves(svc) -> None:
+    r = httpx.post(svc.url + "/api/v1/echo?id=after", content=PNG, headers={"content-type": "image/png"}, timeout=10)
+    assert r.status_code == 200, r.text
+
+
+def metric(svc, name: str) -> float:
+    for line in httpx.get(svc.url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} is not in /metrics")
+
+
+def test_an_endless_header_value_is_refused_within_one_read_past_the_limit(svc):
+    """One 16 KiB piece of a header value without a line end: the parser has not finished
+    the header, the bytes are counted anyway, and the 431 comes at once (uvicorn alone read
+    43 MB of such a header and answered 408 at the header deadline)."""
+    with connect(svc) as s:
+        s.sendall(b"GET /wait?s=0 HTTP/1.1\r\nHost: x\r\nX-Endless: ")
+        time.sleep(0.1)
+        s.sendall(b"v" * 16384)  # then nothing more: everything sent is read, no reset
+        answers = read_responses(s)
+    assert [a[0] for a in answers] == [431], answers
+    assert error_code(answers[0][2]) == "headers_too_large"
+    still_serves(svc)
+
+
+@pytest.mark.parametrize("start,unit", [
+    (b"GET /", b"a"),                                   # an endless URL
+    (b"GET / HTTP/1.1\r\nX-A: 1\r\n", b"\r\n"[:1]),    # a bare CR run: never a header end
+    (b"", b"\r\n"),                                     # blank lines before any request
+])
+def test_any_endless_head_gets_431_not_a_deadline(svc, start, unit):
+    """Sent in one go, a head over the limit is answered at once (no wait for the 1.5 s deadline)."""
+    with connect(svc) as s:
+        s.sendall(start + unit * (MAX_HEADER_BYTES + 10))
+        status, _, body = read_responses(s, 1)[0]
+    assert status in (431, 400), status
+    if status == 431:
+        assert error_code(body) == "headers_too_large"
+
+
+def test_the_head_of_a_single_read_is_counted_exactly(svc):
+    """A head just under the limit, then its body in the same read: served."""
+    filler = b"X-Fill: " + b"f" * (MAX_HEADER_BYTES - 300) + b"\r\n"
+    req = (b"POST /api/v1/echo?id=near HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n" + filler
+           + f"Content-Length: {len(PNG)}\r\n\r\n".encode() + PNG)
+    with connect(svc) as s:
+        s.sendall(req)
+        status, _, body = read_responses(s, 1)[0]
+    assert status == 200, body
+
+
+def test_many_tiny_headers_are_refused_by_count(svc):
+    head = b"GET /wait?s=0 HTTP/1.1\r\nHost: x\r\n" + b"".join(b"a%d: b\r\n" % i for i in range(21)) + b"\r\n"
+    assert len(head) < MAX_HEADER_BYTES
+    with connect(svc) as s:
+        s.sendall(head)
+        status, _, body = read_responses(s, 1)[0]
+    assert status == 431 and "header fields" in json.loads(body)["error"]["message"]
+
+
+def test_a_pipelined_request_behind_a_long_one_gets_its_deadline_after_the_first_answer(svc):
+    """The second request's head is in, its body never comes: its 408 follows the first
+    answer (2.5 s of model time, longer than its 1.5 s body deadline), never replaces it."""
+    first = (b"POST /api/v1/echo?id=pipe1&sleep=2.5 HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+             + f"Content-Length: {len(PNG)}\r\n\r\n".encode() + PNG)
+    second = (b"POST /api/v1/echo?id=pipe2 HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+              + f"Content-Length: {len(PNG)}\r\n\r\n".encode())  # the body is never sent
+    with connect(svc, timeout=15) as s:
+        s.sendall(first + second)
+        answers = read_responses(s)
+    assert [a[0] for a in answers] == [200, 408], [(a[0], a[2][:80]) for a in answers]
+    assert json.loads(answers[0][2])["id"] == "pipe1"
+    assert error_code(answers[1][2]) == "request_timeout"
+
+
+def test_a_pipelined_partial_head_waits_its_turn_and_then_gets_its_own_deadline(svc):
+    first = b"GET /wait?s=2.5&tag=one HTTP/1.1\r\nHost: x\r\n\r\n"
+    with connect(svc, timeout=15) as s:
+        s.sendall(first + b"GET /wait?s=0&tag=two HTTP/1.1\r\nHo")  # the rest of the head never comes
+        answers = read_responses(s)
+    assert [a[0] for a in answers] == [200, 408]
+    assert json.loads(answers[0][2])["tag"] == "one"
+
+
+def test_pipelined_requests_are_answered_in_order(svc):
+    reqs = b"".join(b"GET /wait?s=%s&tag=t%d HTTP/1.1\r\nHost: x\r\n\r\n" % (s, i)
+                    for i, s in enumerate([b"0.4", b"0", b"0.2", b"0"]))
+    with connect(svc) as s:
+        s.sendall(reqs)
+        answers = read_responses(s, 4)
+    assert [json.loads(a[2])["tag"] for a in answers] == ["t0", "t1", "t2", "t3"]
+
+
+def test_a_flood_of_tiny_pipelined_requests_is_cut_after_the_limit(svc):
+    """4 may wait behind the one being answered; the next gets 429 after their answers."""
+    reqs = b"".join(b"GET /wait?s=0.3&tag=p%d HTTP/1.1\r\nHost: x\r\n\r\n" % i for i in range(2000))
+    with connect(svc, timeout=15) as s:
+        s.sendall(reqs)
+        answers = read_responses(s)
+    statuses = [a[0] for a in answers]
+    assert statuses == [200] * 5 + [429], statuses
+    assert [json.loads(a[2])["tag"] for a in answers[:5]] == [f"p{i}" for i in range(5)]
+    assert error_code(answers[5][2]) == "too_many_pipelined_requests"
+    assert metric(svc, "onecard_pipelined_requests_refused_total") >= 1
+
+
+def test_endless_chunk_extensions_cost_at_most_twice_the_body_limit(svc):
+    """A chunk-size line the parser skips without a callback: the wire bytes are counted,
+    413 as soon as they pass twice the body limit (64 KiB here) plus 64 KiB."""
+    cap = 2 * 64 * 1024 + 64 * 1024
+    with connect(svc) as s:
+        s.sendall(b"POST /api/v1/echo?id=ext HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n")
+        time.sleep(0.1)
+        s.sendall(b"5;ext=" + b"e" * cap)  # one line of extension, just past the cap, then nothing
+        answers = read_responses(s)
+    assert [a[0] for a in answers] == [413], answers
+    assert error_code(answers[0][2]) == "body_too_large"
+    assert metric(svc, "onecard_request_framing_too_large_total") >= 1
+    still_serves(svc)
+
+
+def test_a_chunk_size_that_overflows_is_400(svc):
+    with connect(svc) as s:
+        s.sendall(b"POST /api/v1/echo?id=ovf HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n" + b"F" * 40 + b"\r\n" + PNG)
+        answers = read_responses(s)
+    assert [a[0] for a in answers] == [400] and error_code(answers[0][2]) == "bad_request"
+    still_serves(svc)
+
+
+def test_a_huge_announced_chunk_is_cut_at_the_body_limit(svc):
+    with connect(svc) as s:
+        s.sendall(b"POST /api/v1/echo?id=bigchunk HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n7FFFFFFFFFFF\r\n" + b"\0" * (80 * 1024))
+        status, _, body = read_responses(s, 1)[0]
+    assert status == 413 and error_code(body) == "body_too_large"
+    assert "bigchunk" not in httpx.get(svc.url + "/seen").json()["seen"]
+    still_serves(svc)
+
+
+def test_a_client_half_closing_inside_its_head_gets_400(svc):
+    with connect(svc) as s:
+        s.sendall(b"GET /wait?s=0 HTTP/1.1\r\nHost: x\r\n")
+        s.shutdown(socket.SHUT_WR)
+        answers = read_responses(s)
+    assert [a[0] for a in answers] == [400] and error_code(answers[0][2]) == "incomplete_request"
+
+
+def test_a_client_half_closing_inside_its_body_gets_400_and_costs_no_model_time(svc):
+    with connect(svc) as s:
+        s.sendall(b"POST /api/v1/echo?id=halfbody HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                  + f"Content-Length: {len(PNG)}\r\n\r\n".encode() + PNG[:20])
+        time.sleep(0.2)
+        s.shutdown(socket.SHUT_WR)
+        answers = read_responses(s)
+    assert [a[0] for a in answers] == [400]
+    assert "halfbody" not in httpx.get(svc.url + "/seen").json()["seen"]
+
+
+def test_http_1_0_without_keep_alive_is_answered_and_closed(svc):
+    with connect(svc) as s:
+        s.sendall(b"GET /wait?s=0&tag=old HTTP/1.0\r\n\r\n")
+        answers = read_responses(s)  # to the close: the server ends the connection
+    assert len(answers) == 1 and answers[0][0] == 200 and json.loads(answers[0][2])["tag"] == "old"
+
+
+def test_expect_100_continue_over_the_body_limit_is_413_before_any_body(svc):
+    """No 100 Continue, so the client never sends the body it announced: the connection
+    cannot carry another request and is closed after the 413 (said in the answer)."""
+    with connect(svc) as s:
+        s.sendall(b"POST /api/v1/echo?id=expect HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                  b"Content-Length: 10000000\r\nExpect: 100-continue\r\n\r\n")
+        answers = read_responses(s)  # to the server's close
+    assert [a[0] for a in answers] == [413] and error_code(answers[0][2]) == "body_too_large"
+    assert answers[0][1]["connection"] == "close"
+    still_serves(svc)
+
+
+def test_expect_100_continue_within_the_limit_gets_continue_then_its_answer(svc):
+    with connect(svc) as s:
+        s.sendall(b"POST /api/v1/echo?id=cont HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                  + f"Content-Length: {len(PNG)}\r\nExpect: 100-continue\r\n\r\n".encode())
+        got = s.recv(64)
+        assert got.startswith(b"HTTP/1.1 100"), got
+        s.sendall(PNG)
+        status, _, body = read_responses(s, 1)[0]
+    assert status == 200 and json.loads(body)["id"] == "cont"
+
+
+def test_an_upgrade_request_is_answered_as_plain_http_and_the_connection_closed(svc):
+    with connect(svc) as s:
+        s.sendall(b"GET /wait?s=0&tag=up HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+                  b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n")
+        answers = read_responses(s)
+    assert [a[0] for a in answers] == [200] and json.loads(answers[0][2])["tag"] == "up"
+
+
+def test_hostile_clients_at_once_leave_a_service_that_answers(svc):
+    """Several of the above together, then ordinary requests: nothing was left stuck."""
+    def endless():
+        try:
+            with connect(svc) as s:
+                s.sendall(b"GET / HTTP/1.1\r\nX: ")
+                for _ in range(200):
+                    s.sendall(b"v" * 16384)
+        except OSError:
+            pass
+    threads = [threading.Thread(target=endless) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for i in range(3):
+        still_serves(svc)
