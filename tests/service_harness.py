@@ -64,7 +64,9 @@ class ServiceProcess:
             if self.proc.poll() is not None:
                 raise AssertionError(f"service exited {self.proc.returncode}:\n{self.output()}")
             try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                r = httpx.get(self.url + "/readyz", timeout=2)
+                # ours, not whatever else answers on this port (another test run's service)
+                if r.status_code == 200 and r.headers.get("x-onecard-instance") == self.instance:
                     return
             except httpx.HTTPError:
                 pass
