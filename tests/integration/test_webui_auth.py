@@ -21,7 +21,9 @@ API_KEY = "k-0123456789abcdef"
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory):
-    settings = {**style_settings(), "basic_auth_env": "ONECARD_TEST_WEBUI_AUTH", "api_key": API_KEY}
+    # these tests send many wrong credentials on purpose; the failure limiter has its own tests
+    settings = {**style_settings(), "basic_auth_env": "ONECARD_TEST_WEBUI_AUTH", "api_key": API_KEY,
+                "auth_max_failures": 1000}
     with ServiceProcess(APP, settings, tmp_path_factory.mktemp("auth"),
                         env={"ONECARD_TEST_WEBUI_AUTH": PAIRS, "ONECARD_ACCESS_LOG": "1"}) as service:
         yield service
