@@ -109,8 +109,9 @@ class Unit:
         return self
 
     def kill(self) -> None:
-        """SIGKILL every process of the unit, as when its node dies."""
-        for p in self.procs:
+        """SIGKILL every process of the unit, as when its node dies: the jobs process first,
+        so that it never sees its services die (which it would rightly take as a crash)."""
+        for p in (self.jobs, *self.targets.values()):
             p.kill()
 
     def stop(self) -> None:

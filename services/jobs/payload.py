@@ -1,6 +1,7 @@
 """A submit, from bytes to a NewJob: the envelope, the body sent to the service, and the
-structural checks that hold whether or not the service is on this unit (base64 decodes,
-the image is a JPEG/PNG/WebP/BMP of bounded size and pixel count, read from its header).
+structural checks that hold whether or not the service is on this unit (the base64 is well
+formed, the image is a JPEG/PNG/WebP/BMP of bounded size and pixel count, read from its
+header: only the first bytes are decoded, never the image).
 
 Everything here is CPU work on caller-sized data: the app runs it in an executor.
 """
@@ -12,8 +13,9 @@ import binascii
 import hashlib
 import io
 import json
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -26,6 +28,9 @@ IMAGE_FIELDS = ("image", "style_image", "mask")
 IMAGE_LIST_FIELDS = ("init_images",)
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP")
 SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"BM")
+# base64 as A1111 takes it: the standard alphabet, optional MIME line breaks, its padding
+B64_RE = re.compile(r"[A-Za-z0-9+/\r\n]*(?:=[\r\n]*){0,2}")
+HEAD_STEPS = (64 * 1024, 1024 * 1024, None)   # bytes decoded to find the header: a JPEG's may lie past EXIF/ICC
 
 
 class SubmitRequest(BaseModel):
@@ -36,6 +41,7 @@ class SubmitRequest(BaseModel):
     params: dict[str, Any] | None = None
     image: str | None = None
     body: dict[str, Any] | None = None
+    priority: Literal["high", "normal", "low"] = "normal"
 
 
 @dataclass
@@ -74,18 +80,56 @@ def service_body(req: SubmitRequest) -> dict[str, Any]:
     return body
 
 
-def _b64(text: Any, name: str) -> bytes:
+def _b64_text(text: Any, name: str) -> str:
+    """The base64 text of an image field, checked whole without decoding it: the alphabet,
+    MIME line breaks (as A1111 accepts them), the padding."""
     if not isinstance(text, str):
         raise ApiError(422, "invalid_parameter", f"{name}: expected a base64 string")
     if text.startswith("data:"):
         text = text.partition(",")[2]
-    try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise ApiError(400, "bad_base64", f"{name}: not valid base64") from None
+    if not B64_RE.fullmatch(text):
+        raise ApiError(400, "bad_base64", f"{name}: not valid base64")
+    if "\n" in text or "\r" in text:
+        text = text.replace("\r", "").replace("\n", "")
+    if len(text) % 4:
+        raise ApiError(400, "bad_base64", f"{name}: not valid base64 (its length is not a multiple of 4)")
+    return text
 
 
-def check_image(data: bytes, name: str, limits: Limits) -> None:
+def _decoded_size(text: str) -> int:
+    return len(text) // 4 * 3 - (len(text) - len(text.rstrip("=")))
+
+
+def check_image_b64(text: Any, name: str, limits: Limits) -> None:
+    """An image field, from its header only: its size is known from the base64 length, and
+    only the first bytes are decoded (more only when the header lies further in, as a JPEG's
+    after big EXIF or ICC segments). The service decodes the image once, when the job runs."""
+    text = _b64_text(text, name)
+    size = _decoded_size(text)
+    if size <= 0:
+        raise ApiError(400, "empty_image", f"{name}: the image is empty")
+    if size > limits.max_image_bytes:
+        raise ApiError(413, "image_too_large", f"{name}: {size} bytes is over the limit of {limits.max_image_bytes}")
+    for head_bytes in HEAD_STEPS:
+        chars = len(text) if head_bytes is None else min(len(text), 4 * -(-head_bytes // 3))
+        try:
+            head = base64.b64decode(text[:chars], validate=True)
+        except (binascii.Error, ValueError):
+            raise ApiError(400, "bad_base64", f"{name}: not valid base64") from None
+        complete = chars == len(text)
+        if not complete and not _known_signature(head):
+            complete = True  # no format of ours starts like this: more bytes will not change it
+        if check_image(head, name, limits, complete):
+            return
+
+
+def _known_signature(data: bytes) -> bool:
+    return data.startswith(SIGNATURES) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP")
+
+
+def check_image(data: bytes, name: str, limits: Limits, complete: bool = True) -> bool:
+    """The image's format, dimensions and pixel count from its header. With ``complete``
+    False, ``data`` is the start of the image only: False when its header lies further."""
     from PIL import Image, UnidentifiedImageError  # the header only: no pixel is decoded here
 
     if not data:
@@ -100,25 +144,30 @@ def check_image(data: bytes, name: str, limits: Limits) -> None:
         raise ApiError(413, "too_many_pixels", f"{name}: the image declares more pixels than {limits.max_pixels}") \
             from None
     except UnidentifiedImageError:
-        if data.startswith(SIGNATURES) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP"):
+        if not complete:
+            return False
+        if _known_signature(data):
             raise ApiError(400, "corrupt_image", f"{name}: the image header is corrupt") from None
         raise ApiError(415, "unsupported_image", f"{name}: not an image in one of {', '.join(ALLOWED_FORMATS)}") \
             from None
     except Exception as exc:  # noqa: BLE001 - any header failure is the caller's bad data
+        if not complete:
+            return False
         raise ApiError(400, "corrupt_image", f"{name}: cannot read the image header: {exc}") from None
     if width <= 0 or height <= 0:
         raise ApiError(400, "corrupt_image", f"{name}: the image has no pixels")
     if width * height > limits.max_pixels:
         raise ApiError(413, "too_many_pixels",
                        f"{name}: {width}x{height} pixels is over the limit of {limits.max_pixels}")
+    return True
 
 
 def check_images(body: dict[str, Any], limits: Limits) -> int:
-    """Every image field of the body: base64 that decodes to a bounded image. Returns how many."""
+    """Every image field of the body: base64 that holds a bounded image. Returns how many."""
     seen = 0
     for key in IMAGE_FIELDS:
         if key in body and body[key] is not None:
-            check_image(_b64(body[key], key), key, limits)
+            check_image_b64(body[key], key, limits)
             seen += 1
     for key in IMAGE_LIST_FIELDS:
         items = body.get(key)
@@ -127,7 +176,7 @@ def check_images(body: dict[str, Any], limits: Limits) -> int:
         if not isinstance(items, list):
             raise ApiError(422, "invalid_parameter", f"{key}: expected a list of base64 images")
         for i, item in enumerate(items[:16]):
-            check_image(_b64(item, f"{key}.{i}"), f"{key}.{i}", limits)
+            check_image_b64(item, f"{key}.{i}", limits)
             seen += 1
     return seen
 

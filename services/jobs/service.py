@@ -11,12 +11,15 @@ import os
 from typing import Any, Callable
 
 
+from services.jobs.admission import SubmitBudget
 from services.jobs.broker import Broker, ModelInfo, QueueUnavailable
 from services.jobs.consumer import Consumer
 from services.jobs.memory_broker import MemoryBroker
 from services.jobs.metrics import STAGES, JobsMetrics
 from services.jobs.payload import Limits, SubmitRequest
+from services.jobs.policy import RetryPolicy
 from services.jobs.records import TERMINAL
+from services.jobs.registry import Registry
 from services.jobs.settings import JobsSettings
 from services.jobs.targets import ResultTooLarge, Target, TargetTimeout, TargetUnreachable, unit_services
 from services.runtime.errors import ApiError
@@ -27,10 +30,11 @@ INLINE_BYTES = 64 * 1024  # smaller payloads are parsed on the loop: a thread ho
 
 def make_broker(settings: JobsSettings, node: str, environ=os.environ) -> Broker:
     url = settings.queue.resolved_url(environ)  # StartupConfigError when url_env names a missing variable
+    policy = RetryPolicy.from_settings(settings.queue)
     if url is None:
-        return MemoryBroker(settings.queue, node, settings.max_queued_jobs)
+        return MemoryBroker(settings.queue, node, settings.max_queued_jobs, policy)
     from services.jobs.redis_broker import RedisBroker  # only units with a queue need redis-py
-    return RedisBroker(url, settings.queue, node, settings.max_queued_jobs)
+    return RedisBroker(url, settings.queue, node, settings.max_queued_jobs, policy)
 
 
 class JobsService:
@@ -54,6 +58,10 @@ class JobsService:
         self.startup_problem: str | None = None
         self._startup_task: asyncio.Task | None = None
         self.executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="onecard-jobs-cpu")
+        self.submits = SubmitBudget(settings.submit_memory_bytes, settings.retry_after_s)
+        self.result_streams = 0
+        self.registry = Registry(self.broker, lambda: [t.model_info() for t in self.targets if t.label],
+                                 self.metrics, settings.queue.announce_period_s)
 
     # ---- lifecycle --------------------------------------------------------------------
     def begin(self) -> None:
@@ -78,13 +86,12 @@ class JobsService:
             self.startup_problem = f"two local services report the same model label {sorted(dup)}"
             log.error("jobs: %s; set model_label per target", self.startup_problem)
             return
-        for t in self.targets:
-            info = t.model_info()
-            await self._until_queue(lambda: self.broker.announce(info))
+        await self._until_queue(self.registry.check)
+        self.registry.start()
         if self.settings.consume:
             renew = max(0.1, self.settings.queue.visibility_timeout_s / 3)
             for t in self.targets:
-                c = Consumer(self.broker, t, self.settings, self.metrics, renew)
+                c = Consumer(self.broker, t, self.settings, self.metrics, renew, self.cpu)
                 self.consumers[t.label] = c
                 c.start()
         self.startup_problem = None
@@ -133,6 +140,7 @@ class JobsService:
             await asyncio.gather(self._startup_task, return_exceptions=True)
         drain = max(0.0, self._drain_deadline - asyncio.get_running_loop().time())
         await asyncio.gather(*(c.stop(drain) for c in self.consumers.values()))
+        await self.registry.stop()
         for t in self.targets:
             await t.close()
         await self.broker.close()
@@ -155,21 +163,21 @@ class JobsService:
         if ev is not None:
             ev.set()
 
-    async def job(self, job_id: str, wait_s: float, with_result: bool) -> tuple[dict[str, str], bytes | None] | None:
-        """The job's fields (and result), once it is finished or after ``wait_s`` (a long poll)."""
+    async def job(self, job_id: str, wait_s: float) -> dict[str, str] | None:
+        """The job's fields, once it is finished or after ``wait_s`` (a long poll)."""
         if wait_s <= 0 or self.draining:
-            return await self.broker.read(job_id, with_result)
+            return await self.broker.get(job_id)
         ev = self._waiters.setdefault(job_id, asyncio.Event())
         self._waiting[job_id] = self._waiting.get(job_id, 0) + 1
         try:
-            found = await self.broker.read(job_id, with_result)  # after registering: no finish slips between
-            if found is None or found[0].get("state") in TERMINAL:
+            found = await self.broker.get(job_id)  # after registering: no finish slips between
+            if found is None or found.get("state") in TERMINAL:
                 return found
             try:
                 await asyncio.wait_for(ev.wait(), wait_s)
             except asyncio.TimeoutError:
                 pass
-            return await self.broker.read(job_id, with_result)
+            return await self.broker.get(job_id)
         finally:
             self._waiting[job_id] -= 1
             if not self._waiting[job_id]:
@@ -180,6 +188,15 @@ class JobsService:
         for c in self.consumers.values():
             if c.cancel(job_id):
                 return
+
+    async def queue_problem(self) -> str | None:
+        """Why the queue cannot take this unit's work now (for /readyz), or None."""
+        if not await self.broker.ping():
+            return "the job queue cannot be reached"
+        refusal = await self.broker.refuses_writes()
+        if refusal:
+            return f"the job queue refuses writes ({refusal}): no new job can be accepted"
+        return None
 
     async def cpu(self, size: int, fn: Callable, *args: Any) -> Any:
         if size <= INLINE_BYTES:

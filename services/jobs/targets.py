@@ -91,6 +91,14 @@ class TargetUnreachable(Exception):
     """No answer from the local service: connection refused or reset."""
 
 
+class TargetNotSent(TargetUnreachable):
+    """The request never reached the service (connection refused: it is down or restarting)."""
+
+
+class TargetCrashed(TargetUnreachable):
+    """The service went away while it had the request (reset, closed without an answer)."""
+
+
 class TargetTimeout(Exception):
     """The local service did not answer in time."""
 
@@ -148,11 +156,18 @@ class Target:
         return h
 
     def open(self) -> None:
-        """aiohttp, not httpx, for this hop: about 0.3 ms a call here against 1 ms (bench/jobs_bench.py)."""
+        """aiohttp, not httpx, for this hop: about 0.3 ms a call here against 1 ms (bench/jobs_bench.py).
+        Idle connections are dropped after 2 s, before the service's own keep-alive timeout
+        closes them: a request sent on a connection the server is closing reads as a crash."""
         n = self.max_in_flight + 4
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=n, limit_per_host=n), trust_env=False, auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(total=self.run_timeout_s, sock_connect=5.0))
+            connector=aiohttp.TCPConnector(limit=n, limit_per_host=n, keepalive_timeout=2.0), trust_env=False,
+            auto_decompress=False, timeout=aiohttp.ClientTimeout(total=self.run_timeout_s, sock_connect=5.0))
+
+    async def reset(self) -> None:
+        """After a crash: the pooled connections lead to a process that is gone."""
+        self.up = False
+        await self.close()
 
     async def close(self) -> None:
         if self.session is not None:
@@ -181,8 +196,10 @@ class Target:
                 return Answer(resp.status, {k.lower(): v for k, v in resp.headers.items()}, bytes(buf))
         except asyncio.TimeoutError as exc:
             raise TargetTimeout(f"{self.name}: no answer in time") from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise TargetNotSent(f"{self.name}: {exc!r}") from exc
         except aiohttp.ClientError as exc:
-            raise TargetUnreachable(f"{self.name}: {exc!r}") from exc
+            raise TargetCrashed(f"{self.name}: {exc!r}") from exc
 
     async def discover(self) -> None:
         """Wait until the service is ready, then learn its label, routes and limits."""
@@ -242,30 +259,47 @@ class Target:
         takes as its client leaving (it drops the job or stops between steps)."""
         return await self.request("POST", route, body, {**self.headers(), JOB_HEADER: job_id})
 
-    async def dry_run(self, route: str, body: bytes) -> ApiError | None:
-        """The service's verdict on a body without running it. An ApiError to return to the
-        submitter, or None (valid, or the service cannot tell: structural checks stand)."""
+    async def dry_run(self, route: str, body: bytes) -> DryRun:
+        """The service's verdict on a body without running it: an ApiError to return to the
+        submitter, or none (valid, or the service cannot tell: structural checks stand), and
+        what the answer will weigh when the service says (cost.output_bytes)."""
         if not self.settings.dry_run or self.dry_run_supported is False:
-            return None
+            return DryRun()
         try:
             r = await self.request("POST", route, body, {**self.headers(), DRY_RUN_HEADER: "1"},
                                    timeout=self.dry_run_timeout_s)
         except TargetTimeout:
             self.dry_run_supported = False  # it ran the real thing: never ask again
-            return None
+            return DryRun()
         except (TargetUnreachable, ResultTooLarge):
-            return None
+            return DryRun()
         if 200 <= r.status < 300:
             try:
-                valid = r.json().get("valid") is True
+                doc = r.json()
+                valid = doc.get("valid") is True
             except (ValueError, AttributeError):
-                valid = False
+                doc, valid = None, False
             if not valid and self.dry_run_supported is None:
                 log.warning("jobs: %s does not support %s; submits get structural checks only", self.name,
                             DRY_RUN_HEADER)
             self.dry_run_supported = valid
-            return None
+            return DryRun(output_bytes=output_bytes(doc) if valid else None)
         if 400 <= r.status < 500 and r.status not in (401, 403, 408, 429):
             err = r.error()
-            return ApiError(r.status, err["code"], err["message"])
+            return DryRun(ApiError(r.status, err["code"], err["message"]))
+        return DryRun()
+
+
+@dataclass
+class DryRun:
+    error: ApiError | None = None
+    output_bytes: int | None = None     # the service's estimate of its answer's size
+
+
+def output_bytes(doc: Any) -> int | None:
+    """cost.output_bytes of a dry run's answer, when it is a sane number of bytes."""
+    cost = doc.get("cost") if isinstance(doc, dict) else None
+    value = cost.get("output_bytes") if isinstance(cost, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 2**40:
         return None
+    return int(value)
