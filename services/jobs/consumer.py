@@ -287,7 +287,7 @@ class Consumer:
                 continue
             finally:
                 await self.gate.leave(ticket)
-            if resp is None:
+            if resp is None or run.stop_reason == LOST:  # a run whose job was taken over writes nothing
                 return await self._stopped(d, run)
             if not await self._answered(d, resp):
                 return
@@ -343,16 +343,16 @@ class Consumer:
             self.metrics.count("failed")
             log.error("jobs: %s: its result is over the room reserved for it and the queue is full; the job "
                       "failed (result_too_large)", d.job_id)
-        elif verdict == "lost":
+        elif verdict in ("lost", "duplicate"):  # another run holds the job, or wrote its outcome already
             self.metrics.count("fenced")
-            log.warning("jobs: %s: another unit took the job over; this run's result is dropped", d.job_id)
+            log.warning("jobs: %s: another run took the job over; this run's outcome is dropped", d.job_id)
         else:
             self.metrics.count("duplicate")
 
     async def _requeue(self, d: Delivery, error: dict[str, Any] | None, charged: bool, isolate: bool = False) -> None:
         verdict = await self._write(self.broker.requeue, d, error, charged, isolate)
         self.metrics.count({"requeued": "retried" if charged else "released", "dead": "dead_lettered",
-                            "cancelled": "cancelled", "lost": "fenced"}.get(verdict, "duplicate"))
+                            "cancelled": "cancelled", "lost": "fenced", "done": "fenced"}.get(verdict, "duplicate"))
         if verdict == "dead":
             self.metrics.count("failed")
             log.warning("jobs: %s failed after its last attempt: %s", d.job_id, error)

@@ -248,7 +248,7 @@ def test_redis_killed_and_restarted_mid_run_loses_no_accepted_job(tmp_path):
                 while True:
                     try:
                         r = u.api.post("/v1/jobs", json={"service": "scripted", "route": WORK,
-                                                         "body": {"tag": f"r{i}", "sleep_s": 0.05}},
+                                                         "body": {"tag": f"r{i}", "sleep_s": 0.3}},
                                        headers={"Idempotency-Key": f"job-{i}"})
                         if r.status_code == 202:
                             return r.json()["id"]
