@@ -17,6 +17,7 @@ import collections
 import heapq
 import json
 import os
+import re
 import time
 from typing import Any, Callable
 
@@ -25,6 +26,8 @@ from services.jobs.policy import RetryPolicy
 from services.jobs.records import (CANCELLED, DEAD, FAILED, LEVELS, NORMAL, QUEUED, RUNNING, TERMINAL, Delivery,
                                    NewJob, Outcome, Submitted, error_doc)
 from services.jobs.settings import QueueSettings
+
+CURSOR_RE = re.compile(r"([0-9]+):[0-9a-f]{32}")
 
 
 class _Index:
@@ -241,10 +244,15 @@ class MemoryBroker(Broker):
 
     async def list_jobs(self, label: str, state: str, limit: int, cursor: str | None
                         ) -> tuple[list[dict[str, str]], str | None]:
-        after = int(cursor) if cursor else 0  # ValueError: not a cursor of ours
+        after = 0
+        if cursor:  # "sequence:id", as the Redis backend's "score:id"
+            m = CURSOR_RE.fullmatch(cursor)
+            if m is None:
+                raise ValueError("not a cursor of this queue")
+            after = int(m.group(1))
         page, more = self.index[(label, state)].page(after, limit)
         jobs = [dict(self.jobs[i]) for _, i in page if i in self.jobs]
-        return jobs, (str(page[-1][0]) if more and page else None)
+        return jobs, (f"{page[-1][0]}:{page[-1][1]}" if more and page else None)
 
     async def redrive(self, job_id: str) -> str:
         job = self.jobs.get(job_id)
