@@ -27,6 +27,7 @@ log = logging.getLogger("onecard.jobs")
 DRY_RUN_HEADER = "X-Onecard-Dry-Run"
 JOB_HEADER = "X-Onecard-Job"
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.1, 5.0
+MAX_ERROR_BYTES = 64 * 1024
 
 
 def unit_services(settings: JobsSettings, own_name: str, environ=os.environ) -> dict[str, TargetSettings]:
@@ -117,11 +118,14 @@ class Answer:
         return json.loads(self.body)
 
     def error(self) -> dict[str, Any]:
-        """The service's error envelope as a job error (status included)."""
+        """The service's error envelope as a job error (status included). An envelope is
+        small: a big body is not parsed (on the event loop) to find one."""
         try:
+            if len(self.body) > MAX_ERROR_BYTES:
+                raise ValueError("not an error envelope")
             err = self.json()["error"]
-            return {"code": str(err["code"]), "message": str(err["message"]), "status": self.status}
-        except (ValueError, KeyError, TypeError):
+            return {"code": str(err["code"])[:200], "message": str(err["message"])[:2000], "status": self.status}
+        except (ValueError, KeyError, TypeError, RecursionError):
             text = self.body[:500].decode(errors="replace")
             return {"code": "service_error", "message": text or f"HTTP {self.status}", "status": self.status}
 
