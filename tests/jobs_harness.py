@@ -89,8 +89,8 @@ class Restarter:
     """Starts a service again on its port whenever it dies, as a supervisor that restarts a
     crashed service would, until stopped (then it kills it)."""
 
-    def __init__(self, proc: Proc):
-        self.proc, self.restarts = proc, 0
+    def __init__(self, proc: Proc, delay_s: float = 0.0):
+        self.proc, self.restarts, self.delay_s = proc, 0, delay_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
@@ -99,6 +99,8 @@ class Restarter:
         while not self._stop.wait(0.02):
             if self.proc.proc is not None and self.proc.proc.poll() is not None:
                 self.restarts += 1
+                if self._stop.wait(self.delay_s):
+                    return
                 self.proc.start()
 
     def stop(self) -> None:

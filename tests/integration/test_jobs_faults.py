@@ -74,6 +74,27 @@ def test_a_job_that_crashes_its_service_costs_only_itself(tmp_path):
         u.stop()
 
 
+def test_a_job_sent_while_its_service_is_down_waits_for_it_and_costs_no_attempt(tmp_path):
+    """Connection refused: the request never reached the service (it is restarting), so the
+    job is sent again once the service is back, with its attempts untouched."""
+    log = tmp_path / "journal"
+    u = Unit(tmp_path, "down", {"scripted": (TARGET_APP, {"model": "m1", "dry_run": True, "journal": str(log)})},
+             queue={"max_attempts": 1})
+    restarter = None
+    try:
+        start_units(u)
+        restarter = Restarter(u.targets["scripted"], delay_s=1.5)
+        u.targets["scripted"].kill()  # down while idle: the jobs service has not noticed
+        job_id = u.submit("scripted", WORK, body={"tag": "patient"})["id"]
+        done = u.wait(job_id, timeout=30)
+        assert done["state"] == "succeeded" and done["attempts"] == 1 and done["runs"] == 1, done
+        assert restarter.restarts == 1 and [t for e, t in journal(log) if e == "started"] == ["patient"]
+    finally:
+        if restarter is not None:
+            restarter.stop()
+        u.stop()
+
+
 @pytest.fixture
 def server(tmp_path):
     with RedisServer(tmp_path) as srv:

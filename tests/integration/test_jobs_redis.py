@@ -275,6 +275,8 @@ def test_redis_killed_and_restarted_mid_run_loses_no_accepted_job(tmp_path):
                 assert u.wait(job_id, timeout=60)["state"] == "succeeded"
             started = u.calls("scripted")["started"]
             assert {f"r{i}" for i in range(40)} <= set(started)
+            # Redis came back with its data (AOF): no loss is reported
+            assert 'onecard_jobs_queue_events_total{event="data_lost"} 0.0' in u.api.get("/metrics").text
         finally:
             u.stop()
 
