@@ -161,7 +161,7 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     async def announce(self, info: ModelInfo) -> bool:
-        """Put the model's entry in the registry (again); True when it was missing or differed."""
+        """Put the model's entry in the registry (again); True when it was missing."""
 
     async def epoch(self) -> str | None:
         """The queue's data marker (created when missing): another value than before means

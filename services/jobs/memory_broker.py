@@ -279,9 +279,9 @@ class MemoryBroker(Broker):
         return dict(self._models)
 
     async def announce(self, info: ModelInfo) -> bool:
-        changed = self._models.get(info.label) != info
+        missing = info.label not in self._models
         self._models[info.label] = info
-        return changed
+        return missing
 
     # ---- the consumer side --------------------------------------------------------
     def _start(self, label: str, level: str, job_id: str, entry: str) -> Delivery | None:

@@ -367,18 +367,19 @@ class RedisBroker(RedisConsuming, Broker):
         self._models_cache = (now, out)
         return out
 
-    async def _announce(self, label: str, info: str) -> tuple[bool, str]:
+    async def _announce(self, label: str, info: str) -> tuple[int, str]:
         changed, epoch = await self._call(
             "ANNOUNCE", {"models": f"{self.p}:models", "epoch": f"{self.p}:epoch"},
             {"label": label, "info": info, "group": self.group, "epoch": os.urandom(8).hex()},
             extra_keys=self.streams(label) if label else ())
-        return bool(int(changed)), _s(epoch)
+        return int(changed), _s(epoch)
 
     @deadline
     async def announce(self, info: ModelInfo) -> bool:
         changed, _ = await self._announce(info.label, json.dumps(info.to_json(), sort_keys=True))
-        self._models_cache = None
-        return changed
+        if changed:
+            self._models_cache = None
+        return changed == 1
 
     @deadline
     async def epoch(self) -> str | None:

@@ -287,13 +287,17 @@ redis.call('HINCRBY', K.stats, 'dead:' .. A.label, 1)
 return 'ok'
 """)
 
-# What a unit announces of its model, put back whenever it is missing or differs (a Redis that
-# lost its data, a flush), with the model's consumer groups. The epoch marker is created once;
+# What a unit announces of its model, put back whenever it is missing (a Redis that lost its
+# data, a flush) or differs (the last unit to announce wins), with the model's consumer groups. The epoch marker is created once;
 # a unit that sees another epoch than the one it knew has seen Redis lose its data.
 ANNOUNCE = Script("ANNOUNCE", ("models", "epoch"), ("label", "info", "group", "epoch"), variadic=True, body="""
-local changed = 0
-if A.label ~= '' and redis.call('HGET', K.models, A.label) ~= A.info then
-  redis.call('HSET', K.models, A.label, A.info); changed = 1
+local changed = 0  -- 1: the entry was missing; 2: another unit announced it otherwise (a mixed pool)
+if A.label ~= '' then
+  local known = redis.call('HGET', K.models, A.label)
+  if known ~= A.info then
+    redis.call('HSET', K.models, A.label, A.info)
+    changed = known and 2 or 1
+  end
 end
 for i = 3, #KEYS do pcall(redis.call, 'XGROUP', 'CREATE', KEYS[i], A.group, '0', 'MKSTREAM') end
 local epoch = redis.call('GET', K.epoch)

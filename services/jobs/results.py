@@ -80,17 +80,27 @@ class StreamedBody(Response):
             yield self.tail
 
     async def __call__(self, scope, receive, send) -> None:
+        gone = asyncio.ensure_future(_disconnected(receive))
         try:
             headers = [(b"content-type", self.media_type.encode("latin-1")),
                        (b"content-length", str(self.length).encode())]
             headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.extra_headers.items()]
             await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
             async for piece in self._pieces():
+                if gone.done():  # the client left: read and encode no more of it
+                    return
                 async with asyncio.timeout(self.send_timeout_s):
                     await send({"type": "http.response.body", "body": piece, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
         except (TimeoutError, ConnectionAbortedError) as exc:
             log.info("jobs: a result was cut off: %s", exc if str(exc) else "the client read nothing in time")
         finally:
+            gone.cancel()
             if self.on_close is not None:
                 self.on_close()
+
+
+async def _disconnected(receive) -> None:
+    """Returns once the client has gone (a GET's request message comes first)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

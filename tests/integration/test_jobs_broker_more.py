@@ -228,6 +228,9 @@ def test_the_registry_is_rebuilt_after_redis_loses_its_data_and_the_loss_is_seen
         info = ModelInfo(LABEL, "svc", ["/r"], {"max_pixels": 10})
         assert await b.announce(info) is True
         assert await b.announce(info) is False
+        newer = ModelInfo(LABEL, "svc", ["/r", "/s"], {})  # another unit of the pool, another version
+        assert await b.announce(newer) is False and (await b.models())[LABEL].routes == ["/r", "/s"]
+        assert await b.announce(info) is False
         epoch = await b.epoch()
         assert await b.epoch() == epoch
         redis.Redis.from_url(server.url).flushall()
