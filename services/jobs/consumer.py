@@ -273,17 +273,19 @@ class Consumer:
                 continue
             except TargetCrashed as exc:
                 await self.target.reset()
-                if self._stopping:  # while the unit stops, its services stop too: not the job's fault
-                    return await self._requeue(d, error_doc("service_unreachable", str(exc)), charged=False)
                 self.metrics.count("crashed")
+                d.isolate = True  # whatever comes next, it runs alone until it finishes
                 if ticket.alone:
+                    # charged even when the unit is stopping: on a real unit the crash is what stops it,
+                    # and a crasher never charged would crash it again on every restart
                     log.warning("jobs: %s crashed %s running alone; charged an attempt", d.job_id, self.target.name)
                     return await self._requeue(d, error_doc("service_crashed", f"{self.target.name} went away while "
-                                                            f"it ran this job alone: {exc}"), charged=True, isolate=True)
+                                                            f"it ran this job alone: {exc}"), charged=True)
+                self.metrics.count("isolated")
+                if self._stopping:  # cannot run it again here: back to the queue, to run alone elsewhere
+                    return await self._requeue(d, error_doc("service_unreachable", str(exc)), charged=False)
                 log.warning("jobs: %s was in flight when %s went away; it runs again alone", d.job_id,
                             self.target.name)
-                d.isolate = True
-                self.metrics.count("isolated")
                 continue
             finally:
                 await self.gate.leave(ticket)
@@ -349,8 +351,8 @@ class Consumer:
         else:
             self.metrics.count("duplicate")
 
-    async def _requeue(self, d: Delivery, error: dict[str, Any] | None, charged: bool, isolate: bool = False) -> None:
-        verdict = await self._write(self.broker.requeue, d, error, charged, isolate)
+    async def _requeue(self, d: Delivery, error: dict[str, Any] | None, charged: bool) -> None:
+        verdict = await self._write(self.broker.requeue, d, error, charged, d.isolate)  # isolation sticks
         self.metrics.count({"requeued": "retried" if charged else "released", "dead": "dead_lettered",
                             "cancelled": "cancelled", "lost": "fenced", "done": "fenced"}.get(verdict, "duplicate"))
         if verdict == "dead":

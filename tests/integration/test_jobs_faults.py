@@ -7,6 +7,8 @@ job queued, and what cannot be stored is refused at submit."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import threading
 import time
 
 import httpx
@@ -89,6 +91,73 @@ def test_a_job_sent_while_its_service_is_down_waits_for_it_and_costs_no_attempt(
         done = u.wait(job_id, timeout=30)
         assert done["state"] == "succeeded" and done["attempts"] == 1 and done["runs"] == 1, done
         assert restarter.restarts == 1 and [t for e, t in journal(log) if e == "started"] == ["patient"]
+    finally:
+        if restarter is not None:
+            restarter.stop()
+        u.stop()
+
+
+class UnitRestarter:
+    """A unit run as the supervisor runs one: when its model service dies, the jobs service
+    gets SIGTERM (a drain) and the whole unit exits; the orchestrator starts it again."""
+
+    def __init__(self, unit: Unit):
+        self.unit, self.restarts = unit, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        target = next(iter(self.unit.targets.values()))
+        while not self._stop.wait(0.02):
+            if target.proc.poll() is None:
+                continue
+            self.unit.jobs.proc.send_signal(signal.SIGTERM)
+            try:
+                self.unit.jobs.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.unit.jobs.kill()
+            if self._stop.is_set():
+                return
+            self.restarts += 1
+            self.unit.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def test_on_a_unit_that_restarts_whole_the_crasher_is_dead_lettered_and_the_others_succeed(server, tmp_path):
+    log = tmp_path / "journal"
+    u = Unit(tmp_path, "whole", {"scripted": (TARGET_APP, {"model": "m1", "dry_run": True, "journal": str(log)})},
+             target_settings={"scripted": {"max_in_flight": 3}}, drain_s=1.0,
+             queue={"url": server.url, "prefix": "whole", "max_attempts": 2, "retry_backoff_s": 0.1,
+                    "visibility_timeout_s": 2.0})
+    restarter = None
+    try:
+        start_units(u)
+        restarter = UnitRestarter(u)
+        innocent = u.submit("scripted", WORK, body={"tag": "innocent", "sleep_s": 1.0})["id"]
+        wait_for(lambda: ("started", "innocent") in journal(log), what="the innocent never started")
+        crasher = u.submit("scripted", WORK, body={"tag": "crasher", "crash": True})["id"]
+
+        def finished(job_id: str) -> dict:
+            seen: dict = {}
+
+            def check() -> bool:
+                try:  # the unit is down now and then: that is the point
+                    seen.update(u.job(job_id, result="false"))
+                except (httpx.TransportError, AssertionError):
+                    return False
+                return seen["state"] in ("succeeded", "failed", "cancelled")
+            wait_for(check, timeout=90, what=f"{job_id} never finished: {seen}")
+            return seen
+        dead = finished(crasher)
+        assert dead["state"] == "failed" and dead["dead_lettered"] and dead["attempts"] == 2, dead
+        done = finished(innocent)
+        assert done["state"] == "succeeded" and done["attempts"] == 1, done
+        starts = [t for e, t in journal(log) if e == "started"]
+        assert starts.count("crasher") == 3, starts  # among others once (not charged), then alone twice
     finally:
         if restarter is not None:
             restarter.stop()
