@@ -19,6 +19,7 @@ from services.runtime.body import parse_json, read_body
 from services.runtime.errors import ApiError
 
 CURSOR_RE = re.compile(r"[0-9a-f:-]{1,80}")
+ALL_STATES = tuple(s for s in LIST_STATES if s != DEAD)  # dead-lettered jobs are failed ones too
 DEFAULT_LIMIT = 50
 REDRIVE_BODY = {"required": True, "content": {"application/json": {"schema": {
     "type": "object", "required": ["model"], "additionalProperties": False, "properties": {
@@ -59,8 +60,9 @@ def add_admin_routes(app: FastAPI, svc: JobsService) -> None:
     @app.get("/v1/jobs", summary="A model's jobs in one state, oldest first, a page at a time",
              openapi_extra={"parameters": [
                  {"name": "model", "in": "query", "required": True, "schema": {"type": "string"}},
-                 {"name": "state", "in": "query", "required": True,
-                  "schema": {"type": "string", "enum": list(LIST_STATES)}},
+                 {"name": "state", "in": "query", "required": False,
+                  "schema": {"type": "string", "enum": list(LIST_STATES)},
+                  "description": "without it: every state, in this order (dead-lettered jobs among the failed)"},
                  {"name": "limit", "in": "query", "required": False,
                   "schema": {"type": "integer", "minimum": 1, "maximum": settings.max_list_limit}},
                  {"name": "cursor", "in": "query", "required": False, "schema": {"type": "string"},
@@ -69,19 +71,39 @@ def add_admin_routes(app: FastAPI, svc: JobsService) -> None:
         q = request.query_params
         model = _model(q.get("model"))
         state = q.get("state")
-        if state not in LIST_STATES:
+        if state is not None and state not in LIST_STATES:
             raise ApiError(422, "invalid_parameter", f"state: expected one of {', '.join(LIST_STATES)}")
         limit = _limit(q.get("limit"), settings.max_list_limit, min(DEFAULT_LIMIT, settings.max_list_limit))
         cursor = q.get("cursor") or None
         if cursor is not None and not CURSOR_RE.fullmatch(cursor):
             raise ApiError(422, "invalid_parameter", "cursor: not a cursor this API gave")
         try:
-            jobs, nxt = await svc.broker.list_jobs(model, state, limit, cursor)
+            if state is not None:
+                jobs, nxt = await svc.broker.list_jobs(model, state, limit, cursor)
+            else:
+                jobs, nxt = await every_state(model, limit, cursor)
         except ValueError:
             raise ApiError(422, "invalid_parameter", "cursor: not a cursor this API gave") from None
         except QueueUnavailable as exc:
             raise unavailable(svc, exc) from None
         return {"model": model, "state": state, "jobs": [public_view(f) for f in jobs], "next_cursor": nxt}
+
+    async def every_state(model: str, limit: int, cursor: str | None) -> tuple[list[dict[str, str]], str | None]:
+        """Without a state: each state in turn (queued, running, succeeded, failed, cancelled);
+        the cursor is the state's number, then that state's own cursor."""
+        i, sub = 0, None
+        if cursor is not None:
+            head, _, rest = cursor.partition(":")
+            if not head.isdigit() or int(head) >= len(ALL_STATES):
+                raise ValueError(cursor)
+            i, sub = int(head), rest or None
+        jobs: list[dict[str, str]] = []
+        while i < len(ALL_STATES) and len(jobs) < limit:
+            page, sub = await svc.broker.list_jobs(model, ALL_STATES[i], limit - len(jobs), sub)
+            jobs += page
+            if sub is None:
+                i += 1
+        return jobs, (f"{i}:{sub or ''}" if i < len(ALL_STATES) else None)
 
     async def redrive_one(job_id: str) -> str:
         try:

@@ -87,12 +87,22 @@ def test_the_listing_is_paginated_and_bounded(unit):
                              ({"model": MODEL, "state": "succeeded", "limit": 0}, "limit"),
                              ({"model": MODEL, "state": "succeeded", "limit": "\u0663"}, "limit"),
                              ({"model": MODEL, "state": "finished"}, "state"), ({"state": "queued"}, "model"),
+                             ({"model": MODEL, "cursor": "9:"}, "cursor"),
                              ({"model": "x y", "state": "queued"}, "model"),
                              ({"model": MODEL, "state": "queued", "cursor": "zz"}, "cursor"),
                              ({"model": MODEL, "state": "queued", "cursor": "12"}, "cursor")):
         r = unit.api.get("/v1/jobs", params=params)
         assert r.status_code == 422 and fragment in r.json()["error"]["message"], (params, r.text)
     assert listing(unit, "running", model="other/x/y")["jobs"] == []
+    # without a state: every state in turn, paged the same way
+    everything, cursor = [], None
+    while True:
+        r = unit.api.get("/v1/jobs", params={"model": MODEL, "limit": 4, **({"cursor": cursor} if cursor else {})})
+        assert r.status_code == 200 and len(r.json()["jobs"]) <= 4, r.text
+        everything += [j["id"] for j in r.json()["jobs"]]
+        if not (cursor := r.json()["next_cursor"]):
+            break
+    assert everything[-len(seen):] == seen and len(set(everything)) == len(everything)
 
 
 def test_a_failed_attempt_is_retried_after_its_backoff(tmp_path):
