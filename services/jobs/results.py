@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from starlette.responses import Response
 
 log = logging.getLogger("onecard.jobs")
-PIECE = 3 * 256 * 1024  # bytes of result per read: a multiple of 3 for base64
+PIECE = 3 * 64 * 1024  # bytes of result per read (a multiple of 3 for base64): what a stalled poll holds
 
 Reader = Callable[[int, int], Awaitable[bytes]]   # (start, size) -> bytes of the stored result
 
