@@ -14,7 +14,6 @@ from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
 from services.jobs.broker import IdempotencyMismatch, JobTooLarge, QueueFull, QueueUnavailable
-from services.jobs.payload import build_body, parse_envelope
 from services.jobs.records import CANCELLED, FAILED, SUCCEEDED, TERMINAL, NewJob, new_id, public_view, request_digest, \
     valid_id
 from services.jobs.results import StreamedBody, inline_parts
@@ -87,14 +86,17 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
 
     async def _submit(request: Request, idem: str | None) -> Any:
         raw = await read_body(request, settings.max_body_bytes)
-        size = len(raw)
-        req = await svc.cpu(size, parse_envelope, raw, settings.max_json_depth)
+        req = await svc.digest(raw)
         del raw
+        if not req.parsed:
+            req.raise_error()
         try:
-            label, limits, target = await svc.resolve(req)
+            label, limits, target = await svc.resolve(req)  # an unknown service or model is said first
         except QueueUnavailable as exc:
             raise unavailable(svc, exc) from None
-        body, sha = await svc.cpu(size, build_body, req, limits)
+        req.raise_error()
+        req.check(limits)  # the model's own limits, tighter than the unit's
+        body, sha = req.body, req.sha
         reserve = settings.result_reserve_bytes
         if target is not None:
             verdict = await target.dry_run(req.route, body)

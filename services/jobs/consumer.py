@@ -257,6 +257,9 @@ class Consumer:
             ticket = await self._interruptible(run, self.gate.enter(solo=d.isolate))
             if ticket is None:
                 return await self._stopped(d, run)
+            if not self.target.up:  # it crashed while this run waited its turn
+                await self.gate.leave(ticket)
+                continue
             try:
                 if d.isolate:  # losing the unit now is charged to this job alone
                     await self._write(self.broker.mark_solo, d)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import concurrent.futures.process
 import logging
+import multiprocessing
 import os
 from typing import Any, Callable
 
@@ -16,7 +18,7 @@ from services.jobs.broker import Broker, ModelInfo, QueueUnavailable
 from services.jobs.consumer import Consumer
 from services.jobs.memory_broker import MemoryBroker
 from services.jobs.metrics import STAGES, JobsMetrics
-from services.jobs.payload import Limits, SubmitRequest
+from services.jobs.payload import Digest, Limits, SubmitRequest, digest_submit
 from services.jobs.policy import RetryPolicy
 from services.jobs.records import TERMINAL
 from services.jobs.registry import Registry
@@ -26,6 +28,7 @@ from services.runtime.errors import ApiError
 
 log = logging.getLogger("onecard.jobs")
 INLINE_BYTES = 64 * 1024  # smaller payloads are parsed on the loop: a thread hop would cost more
+PROCESS_BYTES = 1024 * 1024  # bigger submits are parsed in a helper process: no GIL held for long here
 
 
 def make_broker(settings: JobsSettings, node: str, environ=os.environ) -> Broker:
@@ -58,6 +61,7 @@ class JobsService:
         self.startup_problem: str | None = None
         self._startup_task: asyncio.Task | None = None
         self.executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="onecard-jobs-cpu")
+        self._processes: concurrent.futures.ProcessPoolExecutor | None = None  # big submits, started on first use
         self.submits = SubmitBudget(settings.submit_memory_bytes, settings.retry_after_s)
         self.result_streams = 0
         self.registry = Registry(self.broker, lambda: [t.model_info() for t in self.targets if t.label],
@@ -145,6 +149,8 @@ class JobsService:
             await t.close()
         await self.broker.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self._processes is not None:
+            self._processes.shutdown(wait=False, cancel_futures=True)
 
     def problem(self) -> str | None:
         """Why this process cannot do its work (for /healthz), or None."""
@@ -198,6 +204,25 @@ class JobsService:
             return f"the job queue refuses writes ({refusal}): no new job can be accepted"
         return None
 
+    async def digest(self, raw: bytes) -> Digest:
+        """The submit parsed and checked with the unit's own limits: in a thread when small, in
+        a helper process when big (the parse and the re-encoding would hold the GIL, so the
+        probes, for tens of milliseconds)."""
+        limits = Limits(self.settings.max_image_bytes, self.settings.max_pixels)
+        if len(raw) <= PROCESS_BYTES:
+            return await self.cpu(len(raw), digest_submit, raw, self.settings.max_json_depth, limits)
+        if self._processes is None:
+            self._processes = concurrent.futures.ProcessPoolExecutor(
+                2, mp_context=multiprocessing.get_context("spawn"))  # never a bare fork of a threaded process
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._processes, digest_submit, raw, self.settings.max_json_depth, limits)
+        except concurrent.futures.process.BrokenProcessPool:
+            log.warning("jobs: the submit helper process died; starting another")
+            self._processes.shutdown(wait=False, cancel_futures=True)
+            self._processes = None
+            return await self.cpu(len(raw), digest_submit, raw, self.settings.max_json_depth, limits)
+
     async def cpu(self, size: int, fn: Callable, *args: Any) -> Any:
         if size <= INLINE_BYTES:
             return fn(*args)
@@ -214,7 +239,7 @@ class JobsService:
             known[label] = t.model_info()
         return known
 
-    async def resolve(self, req: SubmitRequest) -> tuple[str, Limits, Target | None]:
+    async def resolve(self, req: SubmitRequest | Digest) -> tuple[str, Limits, Target | None]:
         """The model label a submit goes to, the limits its body must meet, and the local
         target when this unit has the model."""
         known = await self.known_models()

@@ -169,9 +169,14 @@ class Target:
             auto_decompress=False, timeout=aiohttp.ClientTimeout(total=self.run_timeout_s, sock_connect=5.0))
 
     async def reset(self) -> None:
-        """After a crash: the pooled connections lead to a process that is gone."""
+        """After a crash: no job is sent before the service answers /readyz again, and never on
+        a connection pooled before (the loop may not have seen the dead process close it yet:
+        a job sent on it would read as another crash). A request still on the old session
+        fails as not sent."""
         self.up = False
-        await self.close()
+        old, self.session = self.session, None
+        if old is not None:
+            await old.close()
 
     async def close(self) -> None:
         if self.session is not None:
@@ -182,12 +187,15 @@ class Target:
                       timeout: float | None = None) -> Answer:
         if not valid_route(route):  # checked at submit; checked again: a queue entry is not trusted
             raise ValueError(f"not a route: {route[:80]!r}")
-        if self.session is None:
+        if self.session is None or self.session.closed:
             self.open()
+        session = self.session
         kw = {"timeout": aiohttp.ClientTimeout(total=timeout, sock_connect=5.0)} if timeout else {}
         limit = self.max_result_bytes
         try:
-            async with self.session.request(method, self.url + route, data=body, headers=headers or self.headers(),
+            if session.closed:
+                raise TargetNotSent(f"{self.name}: its connections were reset")
+            async with session.request(method, self.url + route, data=body, headers=headers or self.headers(),
                                             allow_redirects=False, **kw) as resp:
                 if (resp.content_length or 0) > limit:
                     raise ResultTooLarge(f"{self.name} answered {resp.content_length} bytes, over max_result_bytes "
@@ -202,6 +210,10 @@ class Target:
             raise TargetTimeout(f"{self.name}: no answer in time") from exc
         except aiohttp.ClientConnectorError as exc:
             raise TargetNotSent(f"{self.name}: {exc!r}") from exc
+        except RuntimeError as exc:  # "Session is closed": reset by a crash before this request left
+            if not session.closed:
+                raise
+            raise TargetNotSent(f"{self.name}: its connections were reset") from exc
         except aiohttp.ClientError as exc:
             raise TargetCrashed(f"{self.name}: {exc!r}") from exc
 

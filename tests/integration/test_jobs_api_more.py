@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from tests.harness import ROOT
@@ -36,7 +37,7 @@ def unit(request, tmp_path_factory):
     log = tmp / "journal"
     queue = {"max_attempts": 1, "retry_backoff_s": 0.5, "retry_backoff_max_s": 0.5, **({"url": srv.url} if srv else {})}
     u = Unit(tmp, f"api-{request.param}", {"scripted": (TARGET_APP, {"model": "m1", "dry_run": True,
-                                                                     "journal": str(log)})},
+                                                                     "journal": str(log), "max_body_bytes": 4 * 2**20})},
              target_settings={"scripted": {"max_in_flight": 1}}, queue=queue, max_list_limit=5)
     u.log = log
     try:
@@ -190,3 +191,21 @@ def test_submits_are_admitted_against_a_memory_bound_before_their_bodies_are_rea
         if held is not None:
             held.close()
         u.stop()
+
+
+def test_a_big_submit_is_checked_in_a_helper_process_with_the_same_answers(unit):
+    """Over 1 MiB, the parse and the checks run in a helper process (they would hold the GIL
+    here for tens of milliseconds): the answers are those of a small submit."""
+    pad = "x" * (2 * 2**20)
+    for fields, status, code in (
+            ({"service": "nope", "route": WORK, "image": "!!", "params": {"p": pad}}, 422, "unknown_service"),
+            ({"service": "scripted", "route": WORK, "image": "AAAA#", "params": {"p": pad}}, 400, "bad_base64"),
+            ({"service": "scripted", "route": WORK, "params": {"p": pad, "x": float("nan")}}, 422, "invalid_parameter"),
+            ({"service": "scripted", "route": WORK, "model": "scripted/scripted/other", "params": {"p": pad}}, 422,
+             "unknown_model")):
+        r = unit.api.post("/v1/jobs", content=json.dumps(fields), headers={"content-type": "application/json"})
+        assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
+    job = unit.submit("scripted", WORK, body={"tag": "big-submit", "p": pad})
+    done = unit.wait(job["id"])
+    assert done["state"] == "succeeded" and done["result"]["tag"] == "big-submit"
+    assert psutil.Process(unit.jobs.proc.pid).children(), "no helper process"
