@@ -34,7 +34,6 @@ from services.jobs.targets import Answer, ResultTooLarge, Target, TargetCrashed,
 
 log = logging.getLogger("onecard.jobs")
 CANCEL, SHUTDOWN, LOST = "cancel", "shutdown", "lost"
-INLINE_BYTES = 64 * 1024
 
 
 class Room:
@@ -66,6 +65,7 @@ class Running:
 
 
 def is_json_document(data: bytes) -> bool:
+    """Checked once, when the job finishes: a poll then copies it into the job's view as it is."""
     try:
         json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -75,14 +75,14 @@ def is_json_document(data: bytes) -> bool:
 
 class Consumer:
     def __init__(self, broker: Broker, target: Target, settings: JobsSettings, metrics: JobsMetrics,
-                 renew_period_s: float, cpu=None):
+                 renew_period_s: float, is_json=None):
         self.broker, self.target, self.settings, self.metrics = broker, target, settings, metrics
         self.label = target.label
         self.room = Room(target.max_in_flight)
         self.gate = CallGate()
         self.running: dict[str, Running] = {}
         self.renew_period_s = renew_period_s
-        self.cpu = cpu  # JobsService.cpu: big results are checked off the loop
+        self.is_json = is_json  # JobsService.is_json: big results are checked away from the loop and its GIL
         self._tasks: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
         self._renew_task: asyncio.Task | None = None
@@ -309,7 +309,7 @@ class Consumer:
             headers = {k: resp.headers[k] for k in KEPT_HEADERS if k in resp.headers}
             ctype = resp.headers.get("content-type", "application/octet-stream")
             is_json = ctype.split(";")[0].strip() in ("application/json", "text/json") and \
-                await self._cpu(len(resp.body), is_json_document, resp.body)
+                (is_json_document(resp.body) if self.is_json is None else await self.is_json(resp.body))
             await self._finish(d, Outcome(SUCCEEDED, resp.body, ctype, resp.status, headers, result_json=is_json))
             return False
         if verdict is Verdict.REJECTED:
@@ -324,11 +324,6 @@ class Consumer:
         wait = retry_after_s(resp.headers.get("retry-after"), float(self.settings.retry_after_s or 1))
         self._hold_until = max(self._hold_until, time.monotonic() + wait)
         return True
-
-    async def _cpu(self, size: int, fn, *args) -> Any:
-        if self.cpu is None or size <= INLINE_BYTES:
-            return fn(*args)
-        return await self.cpu(size, fn, *args)
 
     async def _stopped(self, d: Delivery, run: Running) -> None:
         if run.stop_reason == LOST:

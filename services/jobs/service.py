@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from services.jobs.admission import SubmitBudget
 from services.jobs.broker import Broker, ModelInfo, QueueUnavailable
-from services.jobs.consumer import Consumer
+from services.jobs.consumer import Consumer, is_json_document
 from services.jobs.memory_broker import MemoryBroker
 from services.jobs.metrics import STAGES, JobsMetrics
 from services.jobs.payload import Digest, Limits, SubmitRequest, digest_submit
@@ -95,7 +95,7 @@ class JobsService:
         if self.settings.consume:
             renew = max(0.1, self.settings.queue.visibility_timeout_s / 3)
             for t in self.targets:
-                c = Consumer(self.broker, t, self.settings, self.metrics, renew, self.cpu)
+                c = Consumer(self.broker, t, self.settings, self.metrics, renew, self.is_json)
                 self.consumers[t.label] = c
                 c.start()
         self.startup_problem = None
@@ -205,23 +205,29 @@ class JobsService:
         return None
 
     async def digest(self, raw: bytes) -> Digest:
-        """The submit parsed and checked with the unit's own limits: in a thread when small, in
-        a helper process when big (the parse and the re-encoding would hold the GIL, so the
-        probes, for tens of milliseconds)."""
+        """The submit parsed and checked with the unit's own limits (digest_submit)."""
         limits = Limits(self.settings.max_image_bytes, self.settings.max_pixels)
-        if len(raw) <= PROCESS_BYTES:
-            return await self.cpu(len(raw), digest_submit, raw, self.settings.max_json_depth, limits)
+        return await self.heavy(len(raw), digest_submit, raw, self.settings.max_json_depth, limits)
+
+    async def is_json(self, data: bytes) -> bool:
+        return await self.heavy(len(data), is_json_document, data)
+
+    async def heavy(self, size: int, fn: Callable, *args: Any) -> Any:
+        """CPU work on a caller's data: in a thread when small, in a helper process when big. A
+        thread is not enough for big JSON: json.loads and json.dumps of 30 MB hold the GIL, and
+        with it the probes, for tens of milliseconds."""
+        if size <= PROCESS_BYTES:
+            return await self.cpu(size, fn, *args)
         if self._processes is None:
             self._processes = concurrent.futures.ProcessPoolExecutor(
                 2, mp_context=multiprocessing.get_context("spawn"))  # never a bare fork of a threaded process
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._processes, digest_submit, raw, self.settings.max_json_depth, limits)
+            return await asyncio.get_running_loop().run_in_executor(self._processes, fn, *args)
         except concurrent.futures.process.BrokenProcessPool:
-            log.warning("jobs: the submit helper process died; starting another")
+            log.warning("jobs: the helper process died; starting another")
             self._processes.shutdown(wait=False, cancel_futures=True)
             self._processes = None
-            return await self.cpu(len(raw), digest_submit, raw, self.settings.max_json_depth, limits)
+            return await self.cpu(size, fn, *args)
 
     async def cpu(self, size: int, fn: Callable, *args: Any) -> Any:
         if size <= INLINE_BYTES:

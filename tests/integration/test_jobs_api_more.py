@@ -205,7 +205,8 @@ def test_a_big_submit_is_checked_in_a_helper_process_with_the_same_answers(unit)
              "unknown_model")):
         r = unit.api.post("/v1/jobs", content=json.dumps(fields), headers={"content-type": "application/json"})
         assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
-    job = unit.submit("scripted", WORK, body={"tag": "big-submit", "p": pad})
-    done = unit.wait(job["id"])
+    job = unit.submit("scripted", WORK, body={"tag": "big-submit", "p": pad, "pad": 3 * 2**20})
+    done = unit.wait(job["id"])  # its 3 MB JSON answer was checked in the helper process too: inline as JSON
     assert done["state"] == "succeeded" and done["result"]["tag"] == "big-submit"
+    assert len(done["result"]["pad"]) == 3 * 2**20
     assert psutil.Process(unit.jobs.proc.pid).children(), "no helper process"
