@@ -240,3 +240,17 @@ def test_the_registry_is_rebuilt_after_redis_loses_its_data_and_the_loss_is_seen
         await b.submit(job(), LABEL)  # the consumer groups are back too
         assert (await take_one(b)).attempt == 1
     run(make, scenario)
+
+
+@pytest.mark.parametrize("make", ["memory"], indirect=True)
+def test_the_embedded_queue_bounds_its_idempotency_keys(make):
+    async def scenario():
+        b = await make(max_idempotency_keys=2)
+        first = await b.submit(job(key="k1"), LABEL)
+        await b.submit(job(key="k2"), LABEL)
+        assert (await b.submit(job(key="k1"), LABEL)).id == first.id  # still remembered
+        await b.submit(job(key="k3"), LABEL)  # k1, the oldest (it would expire first too), is forgotten
+        assert len(b.idem) == 2
+        assert not (await b.submit(job(key="k2"), LABEL)).created
+        assert (await b.submit(job(key="k1"), LABEL)).created
+    run(make, scenario)
