@@ -251,7 +251,12 @@ class Consumer:
         held_until = time.monotonic() + self.settings.backpressure_requeue_s
         while True:
             if not self.target.up:
-                await self._interruptible(run, self.target.wait_up())
+                try:  # not for ever: another unit's service may be up
+                    await self._interruptible(run, asyncio.wait_for(self.target.wait_up(),
+                                                                    self.settings.backpressure_requeue_s))
+                except TimeoutError:
+                    return await self._requeue(d, error_doc("service_unreachable", f"{self.target.name} has not "
+                                                            "been up for backpressure_requeue_s"), charged=False)
                 if run.stop_reason is not None:
                     return await self._stopped(d, run)
             ticket = await self._interruptible(run, self.gate.enter(solo=d.isolate))

@@ -164,6 +164,24 @@ def test_on_a_unit_that_restarts_whole_the_crasher_is_dead_lettered_and_the_othe
         u.stop()
 
 
+def test_a_job_whose_service_stays_down_goes_back_to_the_queue_uncharged(server, tmp_path):
+    queue = {"url": server.url, "prefix": "away", "max_attempts": 1}
+    units = [Unit(tmp_path, f"unit-{n}", {"scripted": (TARGET_APP, {"model": "m1", "unit": n, "dry_run": True})},
+                  queue=queue, backpressure_requeue_s=1.0) for n in ("x", "y")]
+    try:
+        start_units(units[0])
+        units[0].targets["scripted"].kill()  # down for good, unnoticed until a job is sent
+        job_id = units[0].submit("scripted", WORK, body={"tag": "orphan"})["id"]
+        wait_for(lambda: (j := units[0].job(job_id))["runs"] >= 1 and j["state"] == "queued",
+                 what="the job was never handed back")
+        start_units(units[1])
+        done = units[1].wait(job_id, timeout=30)
+        assert done["state"] == "succeeded" and done["node"] == "unit-y" and done["attempts"] == 1, done
+    finally:
+        for u in units:
+            u.stop()
+
+
 @pytest.fixture
 def server(tmp_path):
     with RedisServer(tmp_path) as srv:
