@@ -269,3 +269,18 @@ def test_public_view_and_inline_results():
         _b64(b'{"not": json')  # a service that said JSON and sent something else
     assert inline(b"", result_type="text/plain") == {"content_type": "text/plain", "data": ""}
     assert json.loads(inline_parts({"id": "d" * 32}, {}, None)[0]) == {"id": "d" * 32, "result": None}
+
+
+def test_lua_scripts_take_their_keys_and_arguments_by_name_only():
+    from services.jobs.redis_scripts import SCRIPTS
+    script = SCRIPTS["SOLO"]
+    assert script.bind({"job": "P:job:x"}, {"lease": "abc"}) == (["P:job:x"], ["abc"])
+    assert script.source.startswith("#!lua flags=allow-oom\n") and "local K = {job = KEYS[1]}" in script.source
+    for keys, args in (({}, {"lease": "a"}), ({"job": "j"}, {}), ({"job": "j", "body": "b"}, {"lease": "a"}),
+                       ({"job": "j"}, {"lease": "a", "attempts": 3})):
+        with pytest.raises(ValueError):
+            script.bind(keys, args)
+    with pytest.raises(ValueError):
+        script.bind({"job": "j"}, {"lease": "a"}, extra_keys=["k"])  # not a variadic script
+    assert SCRIPTS["SUBMIT"].denies_oom and SCRIPTS["REDRIVE"].denies_oom  # they add work: a full Redis refuses them
+    assert not any(s.denies_oom for name, s in SCRIPTS.items() if name not in ("SUBMIT", "REDRIVE"))
