@@ -1,4 +1,4 @@
-"""The `onecard` command: run, check, status, stop.
+"""The `onecard` command: run, check, status, stop, and `jobs redrive`.
 
 Every command finds its config the same way (configpath.py): ``--config``, else
 ``$ONECARD_CONFIG``, else the default that ships in the package; nothing depends on the
@@ -166,6 +166,51 @@ def stop(
     1 still running after --timeout, 2 no supervisor."""
     from supervisor import status as st
     raise typer.Exit(st.stop(socket, config, wait, timeout))
+
+
+jobs_app = typer.Typer(no_args_is_help=True, help="The jobs queue, through a unit's jobs API.")
+app.add_typer(jobs_app, name="jobs")
+JOBS_URL_HELP = "the jobs API (default: $ONECARD_JOBS_URL, else http://127.0.0.1:7863)"
+
+
+@jobs_app.command("redrive")
+def jobs_redrive(
+    job_id: Optional[str] = typer.Option(None, "--id", help="one dead-lettered job"),
+    model: Optional[str] = typer.Option(None, "--model", help="a model label: its dead-lettered jobs, oldest first"),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="with --model: at most this many"),
+    url: Optional[str] = typer.Option(None, "--url", help=JOBS_URL_HELP),
+    api_key_env: str = typer.Option("ONECARD_JOBS_API_KEY", "--api-key-env",
+                                    help="environment variable holding the jobs API key, if it has one"),
+) -> None:
+    """Put dead-lettered jobs back on their queue, attempts reset. Prints the API's answer
+    (JSON). Exit 0 done, 1 refused (the message says why), 2 no jobs API answers."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    if (job_id is None) == (model is None):
+        typer.echo("onecard jobs redrive: give --id or --model (one of them)", err=True)
+        raise typer.Exit(2)
+    base = (url or os.environ.get("ONECARD_JOBS_URL") or "http://127.0.0.1:7863").rstrip("/")
+    if job_id is not None:
+        path, body = f"/v1/jobs/{job_id}/redrive", b""
+    else:
+        path = "/v1/jobs/redrive"
+        body = json.dumps({"model": model, **({"limit": limit} if limit else {})}).encode()
+    headers = {"content-type": "application/json"}
+    if os.environ.get(api_key_env):
+        headers["x-api-key"] = os.environ[api_key_env]
+    req = urllib.request.Request(base + path, data=body, headers=headers, method="POST")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a unit's own port: never a proxy
+    try:
+        with opener.open(req, timeout=60) as resp:
+            typer.echo(resp.read().decode(errors="replace"))
+    except urllib.error.HTTPError as exc:
+        typer.echo(exc.read().decode(errors="replace") or f"HTTP {exc.code}", err=True)
+        raise typer.Exit(1)
+    except (urllib.error.URLError, OSError) as exc:
+        typer.echo(f"onecard jobs redrive: no jobs API answers at {base}: {exc}", err=True)
+        raise typer.Exit(2)
 
 
 def main() -> None:

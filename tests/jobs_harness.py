@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -42,6 +43,8 @@ class Proc:
 
     def start(self) -> None:
         self.env["ONECARD_SERVICE_CONFIG"] = json.dumps(self.settings)
+        if self._log is not None:
+            self._log.close()
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "services.runtime.serve"], cwd=ROOT, env=self.env,
                                      stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
@@ -82,6 +85,29 @@ class Proc:
                 self._log = None
 
 
+class Restarter:
+    """Starts a service again on its port whenever it dies, as a supervisor that restarts a
+    crashed service would, until stopped (then it kills it)."""
+
+    def __init__(self, proc: Proc, delay_s: float = 0.0):
+        self.proc, self.restarts, self.delay_s = proc, 0, delay_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.02):
+            if self.proc.proc is not None and self.proc.proc.poll() is not None:
+                self.restarts += 1
+                if self._stop.wait(self.delay_s):
+                    return
+                self.proc.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
 class Unit:
     """A jobs service and the model services it feeds, as one GPU node would run them."""
 
@@ -109,8 +135,9 @@ class Unit:
         return self
 
     def kill(self) -> None:
-        """SIGKILL every process of the unit, as when its node dies."""
-        for p in self.procs:
+        """SIGKILL every process of the unit, as when its node dies: the jobs process first,
+        so that it never sees its services die (which it would rightly take as a crash)."""
+        for p in (self.jobs, *self.targets.values()):
             p.kill()
 
     def stop(self) -> None:

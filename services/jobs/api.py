@@ -1,4 +1,5 @@
-"""The jobs API: POST /v1/jobs, GET /v1/jobs/{id}, GET /v1/jobs/{id}/result, DELETE /v1/jobs/{id}."""
+"""The jobs API: POST /v1/jobs, GET /v1/jobs/{id}, GET /v1/jobs/{id}/result, DELETE /v1/jobs/{id}
+(listing and dead-letter redrive: api_admin.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from redis.exceptions import RedisError
 from fastapi.responses import JSONResponse, Response
+from redis.exceptions import RedisError
 
-from services.jobs.broker import IdempotencyMismatch, QueueFull, QueueUnavailable
-from services.jobs.payload import build_body, parse_envelope
-from services.jobs.records import (CANCELLED, FAILED, SUCCEEDED, TERMINAL, NewJob, new_id, public_view, render_result,
-                                   request_digest, valid_id)
+from services.jobs.broker import IdempotencyMismatch, JobTooLarge, QueueFull, QueueUnavailable
+from services.jobs.records import CANCELLED, FAILED, SUCCEEDED, TERMINAL, NewJob, new_id, public_view, request_digest, \
+    valid_id
+from services.jobs.results import StreamedBody, inline_parts
 from services.jobs.service import JobsService
 from services.runtime.body import read_body  # 413 as soon as the size is known; a client gone mid-upload: ClientGone
 from services.runtime.errors import ApiError
@@ -30,16 +31,27 @@ SUBMIT_BODY = {"required": True, "content": {"application/json": {"schema": {
         "model": {"type": "string", "description": "model label service/backend/model; default: the only one"},
         "params": {"type": "object", "description": "the route's JSON fields, except the image"},
         "image": {"type": "string", "description": "base64"},
-        "body": {"type": "object", "description": "the route's own JSON body, instead of params and image"}}}}}}
+        "body": {"type": "object", "description": "the route's own JSON body, instead of params and image"},
+        "priority": {"type": "string", "enum": ["high", "normal", "low"], "default": "normal",
+                     "description": "higher levels of a model run first; FIFO within a level"}}}}}}
 JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string", "pattern": "^[0-9a-f]{32}$"}}
 
 
-def _unavailable(svc: JobsService, exc: Exception) -> ApiError:
+def unavailable(svc: JobsService, exc: Exception) -> ApiError:
     # Redis's own text names hosts, scripts and keys: a client hears only the kind of failure
     cause = exc.__cause__
     why = type(cause).__name__ if isinstance(cause, (RedisError, OSError)) else str(exc)
     return ApiError(503, "queue_unavailable", f"the job queue cannot be reached now ({why}); retry later",
                     {"Retry-After": str(svc.settings.retry_after_s)})
+
+
+def busy(svc: JobsService, what: str) -> ApiError:
+    return ApiError(503, "busy", what, {"Retry-After": str(svc.settings.retry_after_s or 1)})
+
+
+def not_found(svc: JobsService, job_id: str) -> ApiError:
+    return ApiError(404, "job_not_found", f"no job {job_id} (unknown, or expired after "
+                    f"{svc.settings.queue.results_ttl_s:g} s)")
 
 
 def add_routes(app: FastAPI, svc: JobsService) -> None:
@@ -51,14 +63,10 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
         try:
             fields = await svc.broker.get(job_id)
         except QueueUnavailable as exc:
-            raise _unavailable(svc, exc) from None
+            raise unavailable(svc, exc) from None
         if fields is None:
-            raise ApiError(404, "job_not_found", f"no job {job_id} (unknown, or expired after "
-                           f"{settings.queue.results_ttl_s:g} s)")
+            raise not_found(svc, job_id)
         return fields
-
-    def location(job_id: str) -> str:
-        return f"/v1/jobs/{job_id}"
 
     @app.post("/v1/jobs", status_code=202, summary="Submit a job", openapi_extra={"requestBody": SUBMIT_BODY,
               "parameters": [{"name": "Idempotency-Key", "in": "header", "required": False,
@@ -72,34 +80,62 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
         idem = request.headers.get("idempotency-key")
         if idem is not None and not IDEMPOTENCY_KEY_RE.fullmatch(idem):
             raise ApiError(400, "bad_idempotency_key", "Idempotency-Key: 1 to 255 visible ASCII characters")
+        # admitted against the memory bound before a byte of the body is read
+        with svc.submits.take(svc.submits.cost(request.headers.get("content-length"), settings.max_body_bytes)):
+            return await _submit(request, idem)
+
+    async def _submit(request: Request, idem: str | None) -> Any:
         raw = await read_body(request, settings.max_body_bytes)
-        req = await svc.cpu(len(raw), parse_envelope, raw, settings.max_json_depth)
+        req = await svc.digest(raw)
+        del raw
+        if not req.parsed:
+            req.raise_error()
         try:
-            label, limits, target = await svc.resolve(req)
+            label, limits, target = await svc.resolve(req)  # an unknown service or model is said first
         except QueueUnavailable as exc:
-            raise _unavailable(svc, exc) from None
-        body, sha = await svc.cpu(len(raw), build_body, req, limits)
+            raise unavailable(svc, exc) from None
+        req.raise_error()
+        req.check(limits)  # the model's own limits, tighter than the unit's
+        body, sha = req.body, req.sha
+        reserve = settings.result_reserve_bytes
         if target is not None:
-            rejected = await target.dry_run(req.route, body)
-            if rejected is not None:
-                raise rejected
+            verdict = await target.dry_run(req.route, body)
+            if verdict.error is not None:
+                raise verdict.error
+            if verdict.output_bytes is not None:
+                reserve = verdict.output_bytes
         job = NewJob(new_id(), req.service, req.route, label, body, request_digest(req.service, req.route, label, sha),
-                     idem, time.time())
+                     idem, time.time(), req.priority, min(reserve, settings.max_result_bytes))
         try:
             sub = await svc.broker.submit(job, label)
+        except JobTooLarge as exc:
+            raise ApiError(413, "job_too_large", str(exc)) from None
         except QueueFull as exc:
             raise ApiError(503, "queue_full", str(exc), {"Retry-After": str(settings.retry_after_s)}) from None
         except QueueUnavailable as exc:
-            raise _unavailable(svc, exc) from None
+            raise unavailable(svc, exc) from None
         except IdempotencyMismatch as exc:
             raise ApiError(422, "idempotency_key_reused", f"this Idempotency-Key was used for job {exc}, another "
                            "request (service, route, model or body differ)") from None
         if sub.created:
             svc.metrics.count("submitted")
-        headers = {"Location": location(sub.id)}
+        headers = {"Location": f"/v1/jobs/{sub.id}"}
         if not sub.created:
             headers["Idempotent-Replayed"] = "true"
-        return JSONResponse({"id": sub.id, "state": sub.state, "model": label}, status_code=202, headers=headers)
+        return JSONResponse({"id": sub.id, "state": sub.state, "model": sub.model or label}, status_code=202,
+                            headers=headers)
+
+    def stream_slot() -> Any:
+        if svc.result_streams >= settings.max_result_streams:
+            raise busy(svc, f"{svc.result_streams} results are being sent (max_result_streams); retry shortly")
+        svc.result_streams += 1
+        released = []
+
+        def release() -> None:
+            if not released:
+                released.append(True)
+                svc.result_streams -= 1
+        return release
 
     @app.get("/v1/jobs/{job_id}", summary="A job's state (and its result once it has one)",
              openapi_extra={"parameters": [{"name": "result", "in": "query", "required": False,
@@ -118,20 +154,19 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
         if not valid_id(job_id):
             raise ApiError(404, "job_not_found", "no such job (ids are 32 hex digits)")
         try:
-            found = await svc.job(job_id, wait_s, want)
+            fields = await svc.job(job_id, wait_s)
+            size = await svc.broker.result_size(job_id) if want and fields and fields.get("state") == SUCCEEDED \
+                else None
         except QueueUnavailable as exc:
-            raise _unavailable(svc, exc) from None
-        if found is None:
-            raise ApiError(404, "job_not_found", f"no job {job_id} (unknown, or expired after "
-                           f"{settings.queue.results_ttl_s:g} s)")
-        fields, data = found
-        view = public_view(fields)
-        view["result"] = None
-        if view["state"] == SUCCEEDED and data is not None:
-            headers = json.loads(fields.get("result_headers") or "{}")
-            view["result"] = await svc.cpu(len(data), render_result, data, fields.get("result_type", ""), headers)
-        body = await svc.cpu(len(data or b""), json.dumps, view)
-        return Response(body, media_type="application/json")
+            raise unavailable(svc, exc) from None
+        if fields is None:
+            raise not_found(svc, job_id)
+        head, tail, encode = inline_parts(public_view(fields), fields, size)
+        if size is None:
+            return Response(head, media_type="application/json")
+        release = stream_slot()
+        return StreamedBody(head, tail, size, lambda start, n: svc.broker.result_chunk(job_id, start, n), encode,
+                            "application/json", svc.cpu, settings.result_send_timeout_s, on_close=release)
 
     @app.get("/v1/jobs/{job_id}/result", summary="The service's answer: its bytes and content type",
              responses={200: {"content": {"application/json": {}, "image/png": {}, "image/jpeg": {},
@@ -145,17 +180,20 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
         if state == CANCELLED:
             raise ApiError(409, "job_cancelled", f"job {job_id} was cancelled")
         try:
-            data = await svc.broker.result(job_id)
+            size = await svc.broker.result_size(job_id)
         except QueueUnavailable as exc:
-            raise _unavailable(svc, exc) from None
+            raise unavailable(svc, exc) from None
         status = int(fields.get("result_status") or 0)
-        if data is None or (state == FAILED and status < 400):
+        if size is None or (state == FAILED and status < 400):
             err = public_view(fields)["error"] or {}
             raise ApiError(409 if state == FAILED else 410, "job_failed" if state == FAILED else "result_expired",
                            f"job {job_id}: {err.get('message', 'no result')}")
         headers = json.loads(fields.get("result_headers") or "{}")
-        return Response(data, status_code=status or 200, media_type=fields.get("result_type") or None,
-                        headers={k: v for k, v in headers.items() if k == "x-seed"})
+        release = stream_slot()
+        return StreamedBody(b"", b"", size, lambda start, n: svc.broker.result_chunk(job_id, start, n), False,
+                            fields.get("result_type") or "application/octet-stream", svc.cpu,
+                            settings.result_send_timeout_s, {k: v for k, v in headers.items() if k == "x-seed"},
+                            status or 200, on_close=release)
 
     @app.delete("/v1/jobs/{job_id}", summary="Cancel a job")
     async def cancel(job_id: str) -> Any:
@@ -164,7 +202,7 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
         try:
             found = await svc.broker.cancel(job_id)
         except QueueUnavailable as exc:
-            raise _unavailable(svc, exc) from None
+            raise unavailable(svc, exc) from None
         if found is None:
             raise ApiError(404, "job_not_found", f"no job {job_id}")
         verdict, fields = found
@@ -172,4 +210,3 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
             raise ApiError(409, "job_finished", f"job {job_id} has already {verdict}")
         # running: accepted, the unit running it stops it between steps; poll for 'cancelled'
         return JSONResponse(public_view(fields), status_code=202 if verdict == "cancelling" else 200)
-

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from services.jobs.api import add_routes
+from services.jobs.api_admin import add_admin_routes
 from services.jobs.service import JobsService
 from services.jobs.settings import JobsSettings
 from services.runtime.errors import ClientGone, error_response, install_error_handlers
@@ -136,8 +137,9 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
             return 503, {"ready": False, "reason": "draining", **ident}
         if not svc.ready:
             return 503, {"ready": False, "reason": svc.startup_problem or "starting", **ident}
-        if not await svc.broker.ping():
-            return 503, {"ready": False, "reason": "the job queue cannot be reached", **ident}
+        problem = await svc.queue_problem()
+        if problem:
+            return 503, {"ready": False, "reason": problem, **ident}
         return 200, {"ready": True, **ident}
 
     @app.get("/healthz", include_in_schema=False)
@@ -164,9 +166,12 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
                          "max_in_flight": t.max_in_flight, "dry_run": t.dry_run_supported, "up": t.up}
                         for t in svc.targets],
             "known_models": known,
+            "registry": svc.registry.describe(),
             "limits": {k: getattr(cfg, k) for k in ("max_body_bytes", "max_image_bytes", "max_pixels",
                                                     "max_queued_jobs", "run_timeout_s", "max_json_depth",
-                                                    "max_result_bytes")},
+                                                    "max_result_bytes", "result_reserve_bytes",
+                                                    "submit_memory_bytes", "max_result_streams",
+                                                    "max_list_limit")},
         }
 
     async def stats_doc() -> tuple[int, dict]:
@@ -181,11 +186,12 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
             "latency_p50_ms": running["p50_ms"],
             "latency_p99_ms": running["p99_ms"],
             "jobs": {"mode": svc.broker.mode, "node": svc.node, "queue_reachable": svc.queue_reachable,
+                     "queue_refuses_writes": svc.broker.refusal, "queue_data_lost_at": svc.registry.data_lost_at,
                      "streams": streams, "stages": svc.stages(), "counts": dict(counts)},
         }
 
     async def exposition() -> bytes:
-        return svc.metrics.exposition(await svc.streams())
+        return svc.metrics.exposition(await svc.streams(), svc.broker.refusals, svc.broker.refusal)
 
     @app.get("/stats", include_in_schema=False)
     async def stats():
@@ -225,5 +231,6 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
                          unix_path=os.environ.get("ONECARD_PROBE_SOCKET") or None)
 
     add_routes(app, svc)
+    add_admin_routes(app, svc)
     app.add_middleware(JobsMiddleware, key=cfg.resolved_api_key(), instance=instance)
     return app

@@ -5,22 +5,28 @@ process, nothing to install) and ``RedisBroker`` (Redis Streams: many units). A 
 state moves only through these calls, each atomic in its backend:
 
     submit -> queued -> take -> running -> finish -> succeeded | failed | cancelled
-                          ^                  |
-                          +---- requeue -----+   (a failed attempt, or a job handed back)
+                ^                  |                            |
+                +---- requeue -----+  a failed attempt (after   |
+                |                     its backoff), a hand-back |
+                +------------ redrive (dead-lettered) ----------+
 
-``take`` turns a queued job into a running one (or skips it: cancelled, expired, already
-done, or out of attempts: failed and dead-lettered). ``finish`` is idempotent: the first
-terminal state wins, a second run's result is dropped, so a job has exactly one result.
+``take`` turns a queued job into a running one with a new lease (or skips it: cancelled,
+expired, already done). Every write of a run (renew, finish, requeue) shows its lease: a
+run whose job was taken over (its unit stalled past the visibility timeout) can no longer
+write, so a job has exactly one result, written by the run the record names. What a run's
+end means for the job (retry after a backoff, dead-letter) is decided by policy.py.
 """
 
 from __future__ import annotations
 
 import abc
+import collections
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from services.jobs.records import Delivery, NewJob, Outcome
+from services.jobs.policy import RetryPolicy
+from services.jobs.records import Delivery, NewJob, Outcome, Submitted
 
 
 class QueueUnavailable(Exception):
@@ -28,7 +34,15 @@ class QueueUnavailable(Exception):
 
 
 class QueueFull(Exception):
-    """Too many jobs are queued for this model."""
+    """Too many jobs are queued for this model, or the queue has no room for this one."""
+
+
+class JobTooLarge(QueueFull):
+    """The job alone (its body and the room for its result) is over the queue's whole budget."""
+
+
+class QueueRefusesWrites(QueueUnavailable):
+    """The queue answers but refuses writes (Redis at its maxmemory, a read-only replica)."""
 
 
 class IdempotencyMismatch(Exception):
@@ -64,17 +78,13 @@ class ModelInfo:
                    [str(r) for r in control] if isinstance(control, list) else [])
 
 
-@dataclass
-class Submitted:
-    id: str
-    state: str
-    created: bool          # False: an Idempotency-Key replay of an earlier submit
-
-
 class Broker(abc.ABC):
     mode: str
 
-    def __init__(self) -> None:
+    def __init__(self, policy: RetryPolicy) -> None:
+        self.policy = policy
+        self.refusal: str | None = None          # why the backend refused the last write, if it did
+        self.refusals: collections.Counter[str] = collections.Counter()
         self._cancel_listener: Callable[[str], None] | None = None
         self._done_listener: Callable[[str], None] | None = None
 
@@ -104,6 +114,10 @@ class Broker(abc.ABC):
     async def ping(self) -> bool:
         return True
 
+    async def refuses_writes(self) -> str | None:
+        """Why the backend refuses writes now (a full or read-only Redis), or None."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         return {"mode": self.mode}
 
@@ -115,14 +129,15 @@ class Broker(abc.ABC):
     async def get(self, job_id: str) -> dict[str, str] | None: ...
 
     @abc.abstractmethod
-    async def result(self, job_id: str) -> bytes | None: ...
+    async def result(self, job_id: str) -> bytes | None:
+        """The whole result (small ones; big ones are read with result_chunk)."""
 
-    async def read(self, job_id: str, with_result: bool) -> tuple[dict[str, str], bytes | None] | None:
-        """The job's fields and, when it succeeded and asked for, its result."""
-        fields = await self.get(job_id)
-        if fields is None:
-            return None
-        return fields, (await self.result(job_id) if with_result and fields.get("state") == "succeeded" else None)
+    @abc.abstractmethod
+    async def result_size(self, job_id: str) -> int | None: ...
+
+    @abc.abstractmethod
+    async def result_chunk(self, job_id: str, start: int, size: int) -> bytes:
+        """``size`` bytes of the result from ``start`` (fewer at its end; none once it expired)."""
 
     @abc.abstractmethod
     async def cancel(self, job_id: str) -> tuple[str, dict[str, str]] | None:
@@ -130,28 +145,56 @@ class Broker(abc.ABC):
         unit running it is told), or the terminal state it already had. None: no such job."""
 
     @abc.abstractmethod
+    async def list_jobs(self, label: str, state: str, limit: int, cursor: str | None
+                        ) -> tuple[list[dict[str, str]], str | None]:
+        """A page of a model's jobs in a state (or 'dead'), oldest first by when they entered
+        it, and the cursor of the next page (None: no more). A page may hold fewer than
+        ``limit`` jobs while more follow: records that expired meanwhile are skipped."""
+
+    @abc.abstractmethod
+    async def redrive(self, job_id: str) -> str:
+        """A dead-lettered job back on its queue: 'ok', 'missing', 'not_dead', 'no_body'
+        (expired), or 'nomem' (the queue has no room for it now)."""
+
+    @abc.abstractmethod
     async def models(self) -> dict[str, ModelInfo]: ...
 
     @abc.abstractmethod
-    async def announce(self, info: ModelInfo) -> None: ...
+    async def announce(self, info: ModelInfo) -> bool:
+        """Put the model's entry in the registry (again); True when it was missing."""
+
+    async def epoch(self) -> str | None:
+        """The queue's data marker (created when missing): another value than before means
+        the backend lost its data. None where the queue lives in this process."""
+        return None
 
     # ---- the consumer side --------------------------------------------------------
     @abc.abstractmethod
     async def take(self, label: str, count: int, block_s: float) -> list[Delivery]:
-        """Up to ``count`` runnable jobs of this model, waiting at most ``block_s`` for one."""
+        """Up to ``count`` runnable jobs of this model, the highest priority level first,
+        waiting at most ``block_s`` for one."""
 
     @abc.abstractmethod
-    async def renew(self, label: str, deliveries: list[Delivery]) -> set[str]:
-        """Keep running jobs ours (visibility); returns the ids whose cancel was requested."""
+    async def renew(self, label: str, deliveries: list[Delivery]) -> dict[str, str]:
+        """Keep running jobs ours (visibility). Per job id: 'ok', 'cancel' (a cancel was
+        requested) or 'lost' (another run holds the job now: stop, write nothing)."""
 
     @abc.abstractmethod
-    async def finish(self, d: Delivery, outcome: Outcome) -> bool:
-        """Store the outcome; False when the job already had one (a duplicate run)."""
+    async def mark_solo(self, d: Delivery) -> bool:
+        """Record that this run is alone on its service (losing it is then charged to it)."""
 
     @abc.abstractmethod
-    async def requeue(self, d: Delivery, error: dict[str, Any] | None, counted: bool) -> str:
-        """Put the job back ('requeued'), or fail it when its attempts are spent ('dead');
-        'cancelled' or 'done' when it must not run again."""
+    async def finish(self, d: Delivery, outcome: Outcome) -> str:
+        """Store the outcome: 'ok'; 'duplicate' (it had one), 'lost' (another run holds the
+        job), 'gone' (expired), 'no_room' (the result is over what was reserved and the queue
+        is full: the job failed instead)."""
+
+    @abc.abstractmethod
+    async def requeue(self, d: Delivery, error: dict[str, Any] | None, charged: bool,
+                      isolate: bool = False) -> str:
+        """The run did not finish the job: 'requeued' (at once, or after the policy's
+        backoff), 'dead' (its attempts are spent), 'cancelled', or 'done'/'lost'/'gone'
+        when it is not this run's to hand back."""
 
     @abc.abstractmethod
     async def stream_stats(self, labels: list[str]) -> list[dict[str, Any]]:

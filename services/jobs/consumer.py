@@ -1,30 +1,39 @@
 """One consumer per local service: takes that model's jobs when the service has room and
 runs each through the service's public HTTP API (so its FIFO, batching, limits and
-metrics apply), then writes the outcome back.
+metrics apply), then writes the outcome back. What an outcome means for the job is
+policy.py's to decide.
 
 Backpressure is pull-based: ``max_in_flight`` slots; the consumer waits for a free slot
 before it reads the queue at all, and a 503 from the service holds the job (not an
 attempt) until Retry-After. A cancel closes the HTTP request, which makes the service
 drop the job or stop the generation between steps, as a client disconnect does.
+
+Crashes: a request that never reached the service (connection refused) is sent again once
+the service is back, at no cost. When the service goes away with requests in flight, each
+of those jobs is run again alone, one after the other (gate.py); only a job that crashes
+the service while running alone is charged an attempt. A run whose lease was taken over
+by another unit (this one stalled) stops without writing anything.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from services.jobs.broker import Broker, QueueUnavailable
+from services.jobs.gate import CallGate
 from services.jobs.metrics import JobsMetrics
-from services.jobs.outcome import Verdict, classify, retry_after_s
+from services.jobs.policy import Verdict, classify, retry_after_s
 from services.jobs.records import CANCELLED, FAILED, KEPT_HEADERS, SUCCEEDED, Delivery, Outcome, error_doc
 from services.jobs.settings import JobsSettings
-from services.jobs.targets import ResultTooLarge, Target, TargetTimeout, TargetUnreachable
+from services.jobs.targets import Answer, ResultTooLarge, Target, TargetCrashed, TargetNotSent, TargetTimeout
 
 log = logging.getLogger("onecard.jobs")
-CANCEL, SHUTDOWN = "cancel", "shutdown"
+CANCEL, SHUTDOWN, LOST = "cancel", "shutdown", "lost"
 
 
 class Room:
@@ -51,18 +60,29 @@ class Room:
 @dataclass
 class Running:
     delivery: Delivery
-    waiting_on: asyncio.Task | None = None   # what a cancel interrupts: the HTTP call or a backpressure wait
+    waiting_on: asyncio.Task | None = None   # what a stop interrupts: the HTTP call or a wait
     stop_reason: str | None = None
+
+
+def is_json_document(data: bytes) -> bool:
+    """Checked once, when the job finishes: a poll then copies it into the job's view as it is."""
+    try:
+        json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return False
+    return True
 
 
 class Consumer:
     def __init__(self, broker: Broker, target: Target, settings: JobsSettings, metrics: JobsMetrics,
-                 renew_period_s: float):
+                 renew_period_s: float, is_json=None):
         self.broker, self.target, self.settings, self.metrics = broker, target, settings, metrics
         self.label = target.label
         self.room = Room(target.max_in_flight)
+        self.gate = CallGate()
         self.running: dict[str, Running] = {}
         self.renew_period_s = renew_period_s
+        self.is_json = is_json  # JobsService.is_json: big results are checked away from the loop and its GIL
         self._tasks: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
         self._renew_task: asyncio.Task | None = None
@@ -124,6 +144,7 @@ class Consumer:
         backoff = 0.1
         while True:
             await self.room.wait_free()
+            await self.gate.wait_clear()  # jobs suspected of a crash run alone first
             if not self.target.up:
                 await self.target.wait_up()
             hold = self._hold_until - time.monotonic()
@@ -162,7 +183,8 @@ class Consumer:
         task.add_done_callback(self._tasks.discard)
 
     async def _renew_loop(self) -> None:
-        """Renew the lease of running jobs (visibility) and pick up cancels missed on pub/sub."""
+        """Renew the lease of running jobs (visibility), pick up cancels missed on pub/sub,
+        and stop runs whose job another unit took over."""
         while True:
             await self._has_running.wait()
             await asyncio.sleep(self.renew_period_s)
@@ -171,12 +193,21 @@ class Consumer:
                 self._has_running.clear()
                 continue
             try:
-                for job_id in await self.broker.renew(self.label, [r.delivery for r in runs]):
-                    self.cancel(job_id)
+                verdicts = await self.broker.renew(self.label, [r.delivery for r in runs])
             except QueueUnavailable as exc:
                 log.warning("jobs: cannot renew running jobs of %s: %s", self.label, exc)
+                continue
             except Exception:  # noqa: BLE001
                 log.exception("jobs: renewing %s failed", self.label)
+                continue
+            for run in runs:
+                verdict = verdicts.get(run.delivery.job_id)
+                if verdict == "cancel":
+                    self._interrupt(run, CANCEL)
+                elif verdict == "lost":
+                    log.warning("jobs: %s was taken over by another unit (this one stalled past the visibility "
+                                "timeout); this run stops and writes nothing", run.delivery.job_id)
+                    self._interrupt(run, LOST)
 
     # ---- running one job -----------------------------------------------------------
     async def _run(self, d: Delivery) -> None:
@@ -187,7 +218,7 @@ class Consumer:
             raise
         except Exception as exc:  # noqa: BLE001 - one job never takes the consumer down
             log.exception("jobs: job %s broke its run", d.job_id)
-            await self._write(self.broker.finish, d, Outcome(FAILED, error=error_doc(
+            await self._finish(d, Outcome(FAILED, error=error_doc(
                 "internal_error", f"the job could not be run: {type(exc).__name__}"), dead_letter=True))
         finally:
             self.metrics.observe("running", time.monotonic() - t0)
@@ -196,7 +227,8 @@ class Consumer:
             self.room.give(1)
 
     async def _interruptible(self, run: Running, coro) -> Any:
-        """Await ``coro`` so that a cancel or shutdown can interrupt it; None when interrupted."""
+        """Await ``coro`` so that a cancel, a shutdown or a lost lease can interrupt it; None
+        when interrupted."""
         task = asyncio.get_running_loop().create_task(coro)
         run.waiting_on = task
         if run.stop_reason is not None:
@@ -218,63 +250,114 @@ class Consumer:
             return
         held_until = time.monotonic() + self.settings.backpressure_requeue_s
         while True:
+            if not self.target.up:
+                try:  # not for ever: another unit's service may be up
+                    await self._interruptible(run, asyncio.wait_for(self.target.wait_up(),
+                                                                    self.settings.backpressure_requeue_s))
+                except TimeoutError:
+                    return await self._requeue(d, error_doc("service_unreachable", f"{self.target.name} has not "
+                                                            "been up for backpressure_requeue_s"), charged=False)
+                if run.stop_reason is not None:
+                    return await self._stopped(d, run)
+            ticket = await self._interruptible(run, self.gate.enter(solo=d.isolate))
+            if ticket is None:
+                return await self._stopped(d, run)
+            if not self.target.up:  # it crashed while this run waited its turn
+                await self.gate.leave(ticket)
+                continue
             try:
+                if d.isolate:  # losing the unit now is charged to this job alone
+                    await self._write(self.broker.mark_solo, d)
                 resp = await self._interruptible(run, self.target.call(d.route, d.body, d.job_id))
             except TargetTimeout:
-                await self._requeue(d, error_doc("timeout", f"no answer from {self.target.name} within "
-                                                 f"{self.settings.run_timeout_s:g} s"), counted=True)
-                return
+                return await self._requeue(d, error_doc("timeout", f"no answer from {self.target.name} within "
+                                                        f"{self.settings.run_timeout_s:g} s"), charged=True)
             except ResultTooLarge as exc:  # the same job would answer as much again: not retried
-                await self._finish(d, Outcome(FAILED, error=error_doc("result_too_large", str(exc))))
+                return await self._finish(d, Outcome(FAILED, error=error_doc("result_too_large", str(exc))))
+            except TargetNotSent:
+                await self.target.reset()  # wait until it is back, then send it again: not an attempt
+                if self._stopping:
+                    return await self._requeue(d, None, charged=False)
+                continue
+            except TargetCrashed as exc:
+                await self.target.reset()
+                self.metrics.count("crashed")
+                d.isolate = True  # whatever comes next, it runs alone until it finishes
+                if ticket.alone:
+                    # charged even when the unit is stopping: on a real unit the crash is what stops it,
+                    # and a crasher never charged would crash it again on every restart
+                    log.warning("jobs: %s crashed %s running alone; charged an attempt", d.job_id, self.target.name)
+                    return await self._requeue(d, error_doc("service_crashed", f"{self.target.name} went away while "
+                                                            f"it ran this job alone: {exc}"), charged=True)
+                self.metrics.count("isolated")
+                if self._stopping:  # cannot run it again here: back to the queue, to run alone elsewhere
+                    return await self._requeue(d, error_doc("service_unreachable", str(exc)), charged=False)
+                log.warning("jobs: %s was in flight when %s went away; it runs again alone", d.job_id,
+                            self.target.name)
+                continue
+            finally:
+                await self.gate.leave(ticket)
+            if resp is None or run.stop_reason == LOST:  # a run whose job was taken over writes nothing
+                return await self._stopped(d, run)
+            if not await self._answered(d, resp):
                 return
-            except TargetUnreachable as exc:
-                self.target.up = False  # checked again before this consumer takes more
-                # while the unit stops, its services stop too: not the job's fault
-                await self._requeue(d, error_doc("service_unreachable", str(exc)), counted=not self._stopping)
-                return
-            if resp is None:
-                await self._stopped(d, run)
-                return
-            verdict = classify(resp.status, resp.error()["code"] if resp.status >= 400 else None)
-            if verdict is Verdict.SUCCEEDED:
-                headers = {k: resp.headers[k] for k in KEPT_HEADERS if k in resp.headers}
-                await self._finish(d, Outcome(SUCCEEDED, resp.body, resp.headers.get("content-type",
-                                   "application/octet-stream"), resp.status, headers))
-                return
-            if verdict is Verdict.REJECTED:
-                await self._finish(d, Outcome(FAILED, resp.body, resp.headers.get("content-type", ""),
-                                              resp.status, error=resp.error()))
-                return
-            if verdict is Verdict.ATTEMPT_FAILED:
-                await self._requeue(d, resp.error(), counted=True)
-                return
-            # backpressure: the service is full; hold the job, take nothing new, try again
-            self.metrics.backpressure.inc()
             wait = retry_after_s(resp.headers.get("retry-after"), float(self.settings.retry_after_s or 1))
-            self._hold_until = max(self._hold_until, time.monotonic() + wait)
-            if time.monotonic() + wait > held_until:
-                await self._requeue(d, None, counted=False)  # let another unit have it
-                return
+            if time.monotonic() + wait > held_until:  # the service keeps refusing: let another unit have it
+                return await self._requeue(d, None, charged=False)
             if await self._interruptible(run, asyncio.sleep(wait, True)) is None:
-                await self._stopped(d, run)
-                return
+                return await self._stopped(d, run)
+
+    async def _answered(self, d: Delivery, resp: Answer) -> bool:
+        """Write what the service's answer means; True when the job is held (backpressure)."""
+        verdict = classify(resp.status, resp.error()["code"] if resp.status >= 400 else None)
+        if verdict is Verdict.SUCCEEDED:
+            headers = {k: resp.headers[k] for k in KEPT_HEADERS if k in resp.headers}
+            ctype = resp.headers.get("content-type", "application/octet-stream")
+            is_json = ctype.split(";")[0].strip() in ("application/json", "text/json") and \
+                (is_json_document(resp.body) if self.is_json is None else await self.is_json(resp.body))
+            await self._finish(d, Outcome(SUCCEEDED, resp.body, ctype, resp.status, headers, result_json=is_json))
+            return False
+        if verdict is Verdict.REJECTED:
+            await self._finish(d, Outcome(FAILED, resp.body, resp.headers.get("content-type", ""), resp.status,
+                                          error=resp.error()))
+            return False
+        if verdict is Verdict.ATTEMPT_FAILED:
+            await self._requeue(d, resp.error(), charged=True)
+            return False
+        # backpressure: the service is full; hold the job, take nothing new, try again
+        self.metrics.backpressure.inc()
+        wait = retry_after_s(resp.headers.get("retry-after"), float(self.settings.retry_after_s or 1))
+        self._hold_until = max(self._hold_until, time.monotonic() + wait)
+        return True
 
     async def _stopped(self, d: Delivery, run: Running) -> None:
-        if run.stop_reason == SHUTDOWN:
-            await self._requeue(d, None, counted=False)
+        if run.stop_reason == LOST:
+            self.metrics.count("fenced")  # another unit holds the job now: nothing to write
+        elif run.stop_reason == SHUTDOWN:
+            await self._requeue(d, None, charged=False)
         else:
             await self._finish(d, Outcome(CANCELLED, error=error_doc("cancelled", "cancelled while it ran")))
 
     async def _finish(self, d: Delivery, outcome: Outcome) -> None:
-        first = await self._write(self.broker.finish, d, outcome)
-        self.metrics.count(outcome.state if first else "duplicate")
-        if first and outcome.dead_letter:
-            self.metrics.count("dead_lettered")
+        verdict = await self._write(self.broker.finish, d, outcome)
+        if verdict == "ok":
+            self.metrics.count(outcome.state)
+            if outcome.dead_letter:
+                self.metrics.count("dead_lettered")
+        elif verdict == "no_room":
+            self.metrics.count("failed")
+            log.error("jobs: %s: its result is over the room reserved for it and the queue is full; the job "
+                      "failed (result_too_large)", d.job_id)
+        elif verdict in ("lost", "duplicate"):  # another run holds the job, or wrote its outcome already
+            self.metrics.count("fenced")
+            log.warning("jobs: %s: another run took the job over; this run's outcome is dropped", d.job_id)
+        else:
+            self.metrics.count("duplicate")
 
-    async def _requeue(self, d: Delivery, error: dict[str, Any] | None, counted: bool) -> None:
-        verdict = await self._write(self.broker.requeue, d, error, counted)
-        self.metrics.count({"requeued": "retried" if counted else "released", "dead": "dead_lettered",
-                            "cancelled": "cancelled"}.get(verdict, "duplicate"))
+    async def _requeue(self, d: Delivery, error: dict[str, Any] | None, charged: bool) -> None:
+        verdict = await self._write(self.broker.requeue, d, error, charged, d.isolate)  # isolation sticks
+        self.metrics.count({"requeued": "retried" if charged else "released", "dead": "dead_lettered",
+                            "cancelled": "cancelled", "lost": "fenced", "done": "fenced"}.get(verdict, "duplicate"))
         if verdict == "dead":
             self.metrics.count("failed")
             log.warning("jobs: %s failed after its last attempt: %s", d.job_id, error)

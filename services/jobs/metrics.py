@@ -16,6 +16,26 @@ STAGE_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 20, 30, 60, 1
 STAGES = ("queued", "running")
 
 
+class _QueueCollector:
+    """What the queue backend reports at scrape time: write refusals by reason, and whether
+    it takes writes now."""
+
+    def __init__(self) -> None:
+        self.refusals: dict[str, int] = {}
+        self.refusing: str | None = None
+
+    def collect(self):
+        refusals = CounterMetricFamily("onecard_jobs_queue_write_refusals", "Writes the queue refused (Redis at "
+                                       "its maxmemory, a read-only replica), by reason.", labels=["reason"])
+        for reason, n in sorted(self.refusals.items()):
+            refusals.add_metric([reason], n)
+        yield refusals
+        writable = GaugeMetricFamily("onecard_jobs_queue_writable", "1 while the queue takes writes, 0 while it "
+                                     "refuses them (no new job can be accepted).")
+        writable.add_metric([], 0 if self.refusing else 1)
+        yield writable
+
+
 class _StreamCollector:
     def __init__(self) -> None:
         self.snapshot: list[dict[str, Any]] = []
@@ -48,16 +68,28 @@ class JobsMetrics:
                                  registry=r)
         self.backpressure = Counter("onecard_jobs_backpressure", "Times the local service answered 503/429 "
                                     "to a job (retried later, not counted as an attempt).", registry=r)
+        self.registry_events = Counter("onecard_jobs_queue_events", "What the unit noticed of the queue: "
+                                       "data_lost (its marker changed: Redis lost every job it held), reannounced "
+                                       "(a model missing from its registry, put back).", ["event"], registry=r)
+        for event in ("data_lost", "reannounced"):
+            self.registry_events.labels(event)
         self.streams = _StreamCollector()
         r.register(self.streams)
+        self.queue = _QueueCollector()
+        r.register(self.queue)
         self._samples = {s: collections.deque(maxlen=2048) for s in STAGES}
         self.counts: collections.Counter[str] = collections.Counter()
-        for state in ("submitted", "succeeded", "failed", "cancelled", "retried", "dead_lettered"):
+        for state in ("submitted", "succeeded", "failed", "cancelled", "retried", "dead_lettered", "redriven",
+                      "crashed", "isolated", "fenced"):
             self.jobs.labels(state)
 
     def count(self, state: str) -> None:
         self.jobs.labels(state).inc()
         self.counts[state] += 1
+
+    def count_registry(self, event: str) -> None:
+        self.registry_events.labels(event).inc()
+        self.counts[event] += 1
 
     def observe(self, stage: str, seconds: float | None) -> None:
         if seconds is None or seconds < 0:
@@ -74,6 +106,7 @@ class JobsMetrics:
             return round(data[min(len(data) - 1, int(round(p * (len(data) - 1))))] * 1000, 2)
         return {"p50_ms": q(0.5), "p99_ms": q(0.99), "count": len(data)}
 
-    def exposition(self, streams: list[dict[str, Any]]) -> bytes:
+    def exposition(self, streams: list[dict[str, Any]], refusals: dict[str, int], refusing: str | None) -> bytes:
         self.streams.snapshot = streams
+        self.queue.refusals, self.queue.refusing = dict(refusals), refusing
         return generate_latest(self.registry)

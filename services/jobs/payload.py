@@ -1,8 +1,10 @@
 """A submit, from bytes to a NewJob: the envelope, the body sent to the service, and the
-structural checks that hold whether or not the service is on this unit (base64 decodes,
-the image is a JPEG/PNG/WebP/BMP of bounded size and pixel count, read from its header).
+structural checks that hold whether or not the service is on this unit (the base64 is well
+formed, the image is a JPEG/PNG/WebP/BMP of bounded size and pixel count, read from its
+header: only the first bytes are decoded, never the image).
 
-Everything here is CPU work on caller-sized data: the app runs it in an executor.
+Everything here is CPU work on caller-sized data: the app runs it in an executor, and a big
+submit in a helper process (digest_submit).
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import binascii
 import hashlib
 import io
 import json
-from dataclasses import dataclass
-from typing import Any
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -26,6 +29,9 @@ IMAGE_FIELDS = ("image", "style_image", "mask")
 IMAGE_LIST_FIELDS = ("init_images",)
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP")
 SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"BM")
+# base64 as A1111 takes it: the standard alphabet, optional MIME line breaks, its padding
+B64_RE = re.compile(r"[A-Za-z0-9+/\r\n]*(?:=[\r\n]*){0,2}")
+HEAD_STEPS = (64 * 1024, 1024 * 1024, None)   # bytes decoded to find the header: a JPEG's may lie past EXIF/ICC
 
 
 class SubmitRequest(BaseModel):
@@ -36,6 +42,7 @@ class SubmitRequest(BaseModel):
     params: dict[str, Any] | None = None
     image: str | None = None
     body: dict[str, Any] | None = None
+    priority: Literal["high", "normal", "low"] = "normal"
 
 
 @dataclass
@@ -74,18 +81,58 @@ def service_body(req: SubmitRequest) -> dict[str, Any]:
     return body
 
 
-def _b64(text: Any, name: str) -> bytes:
+def _b64_text(text: Any, name: str) -> str:
+    """The base64 text of an image field, checked whole without decoding it: the alphabet,
+    MIME line breaks (as A1111 accepts them), the padding."""
     if not isinstance(text, str):
         raise ApiError(422, "invalid_parameter", f"{name}: expected a base64 string")
     if text.startswith("data:"):
         text = text.partition(",")[2]
-    try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise ApiError(400, "bad_base64", f"{name}: not valid base64") from None
+    if not B64_RE.fullmatch(text):
+        raise ApiError(400, "bad_base64", f"{name}: not valid base64")
+    if "\n" in text or "\r" in text:
+        text = text.replace("\r", "").replace("\n", "")
+    if len(text) % 4:
+        raise ApiError(400, "bad_base64", f"{name}: not valid base64 (its length is not a multiple of 4)")
+    return text
 
 
-def check_image(data: bytes, name: str, limits: Limits) -> None:
+def _decoded_size(text: str) -> int:
+    return len(text) // 4 * 3 - (len(text) - len(text.rstrip("=")))
+
+
+def check_image_b64(text: Any, name: str, limits: Limits) -> tuple[int, int, int]:
+    """An image field, from its header only: its size is known from the base64 length, and
+    only the first bytes are decoded (more only when the header lies further in, as a JPEG's
+    after big EXIF or ICC segments). The service decodes the image once, when the job runs."""
+    text = _b64_text(text, name)
+    size = _decoded_size(text)
+    if size <= 0:
+        raise ApiError(400, "empty_image", f"{name}: the image is empty")
+    if size > limits.max_image_bytes:
+        raise ApiError(413, "image_too_large", f"{name}: {size} bytes is over the limit of {limits.max_image_bytes}")
+    for head_bytes in HEAD_STEPS:
+        chars = len(text) if head_bytes is None else min(len(text), 4 * -(-head_bytes // 3))
+        try:
+            head = base64.b64decode(text[:chars], validate=True)
+        except (binascii.Error, ValueError):
+            raise ApiError(400, "bad_base64", f"{name}: not valid base64") from None
+        complete = chars == len(text)
+        if not complete and not _known_signature(head):
+            complete = True  # no format of ours starts like this: more bytes will not change it
+        dims = check_image(head, name, limits, complete)
+        if dims is not None:
+            return size, dims[0], dims[1]
+    raise AssertionError("the last step decodes the whole image")  # pragma: no cover
+
+
+def _known_signature(data: bytes) -> bool:
+    return data.startswith(SIGNATURES) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP")
+
+
+def check_image(data: bytes, name: str, limits: Limits, complete: bool = True) -> tuple[int, int] | None:
+    """The image's format, dimensions and pixel count from its header: (width, height). With
+    ``complete`` False, ``data`` is the start of the image only: None when its header lies further."""
     from PIL import Image, UnidentifiedImageError  # the header only: no pixel is decoded here
 
     if not data:
@@ -100,26 +147,37 @@ def check_image(data: bytes, name: str, limits: Limits) -> None:
         raise ApiError(413, "too_many_pixels", f"{name}: the image declares more pixels than {limits.max_pixels}") \
             from None
     except UnidentifiedImageError:
-        if data.startswith(SIGNATURES) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP"):
+        if not complete:
+            return None
+        if _known_signature(data):
             raise ApiError(400, "corrupt_image", f"{name}: the image header is corrupt") from None
         raise ApiError(415, "unsupported_image", f"{name}: not an image in one of {', '.join(ALLOWED_FORMATS)}") \
             from None
     except Exception as exc:  # noqa: BLE001 - any header failure is the caller's bad data
+        if not complete:
+            return None
         raise ApiError(400, "corrupt_image", f"{name}: cannot read the image header: {exc}") from None
     if width <= 0 or height <= 0:
         raise ApiError(400, "corrupt_image", f"{name}: the image has no pixels")
+    check_dims(name, len(data) if complete else 0, width, height, limits)
+    return width, height
+
+
+def check_dims(name: str, size: int, width: int, height: int, limits: Limits) -> None:
+    if size > limits.max_image_bytes:
+        raise ApiError(413, "image_too_large", f"{name}: {size} bytes is over the limit of {limits.max_image_bytes}")
     if width * height > limits.max_pixels:
         raise ApiError(413, "too_many_pixels",
                        f"{name}: {width}x{height} pixels is over the limit of {limits.max_pixels}")
 
 
-def check_images(body: dict[str, Any], limits: Limits) -> int:
-    """Every image field of the body: base64 that decodes to a bounded image. Returns how many."""
-    seen = 0
+def check_images(body: dict[str, Any], limits: Limits) -> list[tuple[str, int, int, int]]:
+    """Every image field of the body: base64 that holds a bounded image. Returns each one's
+    (name, bytes, width, height)."""
+    seen = []
     for key in IMAGE_FIELDS:
         if key in body and body[key] is not None:
-            check_image(_b64(body[key], key), key, limits)
-            seen += 1
+            seen.append((key, *check_image_b64(body[key], key, limits)))
     for key in IMAGE_LIST_FIELDS:
         items = body.get(key)
         if items is None:
@@ -127,27 +185,69 @@ def check_images(body: dict[str, Any], limits: Limits) -> int:
         if not isinstance(items, list):
             raise ApiError(422, "invalid_parameter", f"{key}: expected a list of base64 images")
         for i, item in enumerate(items[:16]):
-            check_image(_b64(item, f"{key}.{i}"), f"{key}.{i}", limits)
-            seen += 1
+            seen.append((f"{key}.{i}", *check_image_b64(item, f"{key}.{i}", limits)))
     return seen
 
 
 def encode_body(body: dict[str, Any], limits: Limits) -> tuple[bytes, str]:
-    data = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
-    if limits.max_body_bytes is not None and len(data) > limits.max_body_bytes:
-        raise ApiError(413, "body_too_large", f"the request for the service is {len(data)} bytes, over its limit "
-                       f"of {limits.max_body_bytes}")
+    try:
+        data = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800"): json.loads takes it, UTF-8 cannot hold it
+        raise ApiError(422, "invalid_parameter", "params: a string holds an unpaired surrogate (\\ud800-\\udfff), "
+                       "which is not Unicode text") from None
+    except ValueError:
+        raise ApiError(422, "invalid_parameter", "params: NaN and infinity are not JSON") from None
+    check_body_size(len(data), limits)
     return data, hashlib.sha256(data).hexdigest()
+
+
+def check_body_size(size: int, limits: Limits) -> None:
+    if limits.max_body_bytes is not None and size > limits.max_body_bytes:
+        raise ApiError(413, "body_too_large", f"the request for the service is {size} bytes, over its limit "
+                       f"of {limits.max_body_bytes}")
 
 
 def build_body(req: SubmitRequest, limits: Limits) -> tuple[bytes, str]:
     """Checks the images and returns the service's JSON body and its digest."""
     body = service_body(req)
     check_images(body, limits)
+    return encode_body(body, limits)
+
+
+@dataclass
+class Digest:
+    """A submit parsed and checked against the unit's own limits, made where its CPU cost
+    hurts least (a helper process for big bodies: parsing and encoding 30 MB of JSON holds
+    the GIL for tens of milliseconds, and the probes with it). Picklable: errors travel as
+    (status, code, message). ``check`` applies the chosen model's tighter limits later."""
+    parsed: bool = False                      # the envelope was valid: service, route and model are known
+    service: str = ""
+    route: str = ""
+    model: str | None = None
+    priority: str = "normal"
+    body: bytes = b""
+    sha: str = ""
+    images: list[tuple[str, int, int, int]] = field(default_factory=list)
+    error: tuple[int, str, str] | None = None
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise ApiError(*self.error)
+
+    def check(self, limits: Limits) -> None:
+        for name, size, width, height in self.images:
+            check_dims(name, size, width, height, limits)
+        check_body_size(len(self.body), limits)
+
+
+def digest_submit(raw: bytes, max_depth: int, limits: Limits) -> Digest:
+    d = Digest()
     try:
-        return encode_body(body, limits)
-    except UnicodeEncodeError:  # a lone surrogate ("\ud800"): json.loads takes it, UTF-8 cannot hold it
-        raise ApiError(422, "invalid_parameter", "params: a string holds an unpaired surrogate (\\ud800-\\udfff), "
-                       "which is not Unicode text") from None
-    except ValueError:
-        raise ApiError(422, "invalid_parameter", "params: NaN and infinity are not JSON") from None
+        req = parse_envelope(raw, max_depth)
+        d.parsed, d.service, d.route, d.model, d.priority = True, req.service, req.route, req.model, req.priority
+        body = service_body(req)
+        d.images = check_images(body, limits)
+        d.body, d.sha = encode_body(body, Limits(limits.max_image_bytes, limits.max_pixels))
+    except ApiError as exc:
+        d.error = (exc.status, exc.code, exc.message)
+    return d

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import re
@@ -12,6 +11,11 @@ from typing import Any
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
+DEAD = "dead"  # not a state of its own: failed jobs that were dead-lettered (listed and redriven apart)
+LIST_STATES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED, DEAD)
+# priority levels, highest first; FIFO within a level
+LEVELS = ("high", "normal", "low")
+NORMAL = "normal"
 ID_RE = re.compile(r"[0-9a-f]{32}")  # with fullmatch: "$" would let a trailing newline through
 # headers of a service's answer worth keeping with its result
 KEPT_HEADERS = ("x-seed", "server-timing")
@@ -42,6 +46,8 @@ class NewJob:
     request_sha: str               # request_digest(): compared when an Idempotency-Key is reused
     idempotency_key: str | None
     created_at: float
+    priority: str = NORMAL
+    reserve: int = 0               # bytes kept for the result from submit to finish
 
 
 @dataclass
@@ -51,10 +57,26 @@ class Delivery:
     label: str
     route: str
     body: bytes
-    attempt: int
+    attempt: int                   # this run's number among the charged ones: charged attempts so far + 1
     entry: str | None = None       # the stream entry (Redis)
     queued_at: float | None = None
     started_at: float | None = None
+    lease: str = ""                # every write of this run must show it (fencing)
+    level: str = NORMAL            # the priority level, whose stream the entry is on
+    isolate: bool = False          # run it alone: it was in flight when its service (or unit) crashed
+    runs: int = 1                  # runs started, charged or not
+
+    @property
+    def charged(self) -> int:
+        return self.attempt - 1
+
+
+@dataclass
+class Submitted:
+    id: str
+    state: str
+    created: bool          # False: an Idempotency-Key replay of an earlier submit
+    model: str = ""
 
 
 @dataclass
@@ -67,6 +89,7 @@ class Outcome:
     headers: dict[str, str] = field(default_factory=dict)
     error: dict[str, Any] | None = None
     dead_letter: bool = False
+    result_json: bool = False      # the result is a JSON document (served inline as is, never parsed again)
 
 
 def error_doc(code: str, message: str, status: int | None = None) -> dict[str, Any]:
@@ -102,28 +125,17 @@ def public_view(fields: dict[str, str]) -> dict[str, Any]:
         "service": fields.get("service"),
         "route": fields.get("route"),
         "model": fields.get("model"),
+        "priority": fields.get("priority") or NORMAL,
         "attempts": int(fields.get("attempts") or 0),
+        "runs": int(fields.get("runs") or 0),
         "progress": progress,
         "node": fields.get("node") or None,
         "error": _json(fields.get("error")) if state != SUCCEEDED else None,
+        "last_error": _json(fields.get("last_error")) if state not in TERMINAL else None,
+        "dead_lettered": fields.get("dead") == "1",
         "cancel_requested": fields.get("cancel") == "1",
         "created_at": _float(fields.get("created_at")),
         "started_at": _float(fields.get("started_at")),
         "finished_at": _float(fields.get("finished_at")),
+        "retry_at": _float(fields.get("retry_at")) if state == QUEUED else None,
     }
-
-
-def render_result(data: bytes, content_type: str, headers: dict[str, str]) -> Any:
-    """A result inline in the job's JSON: the service's JSON as is, anything else base64
-    (CPU work on big results: call it from an executor)."""
-    if content_type.split(";")[0].strip() in ("application/json", "text/json"):
-        try:
-            return json.loads(data)
-        except ValueError:
-            pass
-    doc: dict[str, Any] = {"content_type": content_type, "data": base64.b64encode(data).decode()}
-    if content_type.startswith("image/"):
-        doc["image"] = doc.pop("data")
-    if headers.get("x-seed"):
-        doc["seed"] = headers["x-seed"]
-    return doc

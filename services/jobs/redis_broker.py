@@ -1,21 +1,23 @@
-"""Redis Streams backend (redis-py asyncio): one stream per model label, one consumer
-group, at-least-once delivery with exactly one stored result.
+"""Redis Streams backend (redis-py asyncio): one stream per model label and priority level,
+one consumer group, at-least-once delivery with exactly one stored result.
 
-A consumer reads with a blocking XREADGROUP (no polling) only when its service has room;
-a running job's lease is renewed with XCLAIM so that its idle time stays under
-``visibility_timeout_s``; entries idle longer (their unit died) are taken over with
-XAUTOCLAIM by a unit that has room. Every state change is one Lua script
-(services/jobs/redis_scripts.py). Cancels reach the running unit over pub/sub.
+A consumer reads its model's streams, the highest level first, only when its service has
+room (redis_consume.py); a running job's lease is renewed so that its entry's idle time
+stays under ``visibility_timeout_s``; entries idle longer (their unit died or stalled) are
+taken over by a unit that has room, and the old run, fenced by its lease, can no longer
+write. Every state change is one Lua script (redis_scripts.py). Cancels reach the running
+unit over pub/sub. What a job may cost Redis (its body, and the room reserved for its result)
+is checked against the queue's memory budget when it is submitted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import json
 import logging
 import os
+import re
 import socket
 import time
 from typing import Any, Callable
@@ -26,43 +28,25 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError, ResponseError
 
 from services.jobs import redis_scripts as lua
-from services.jobs.broker import Broker, IdempotencyMismatch, ModelInfo, QueueFull, QueueUnavailable, Submitted
-from services.jobs.redis_errors import is_full, is_outage
-from services.jobs.records import QUEUED, Delivery, NewJob, Outcome, valid_id
+from services.jobs.broker import (Broker, IdempotencyMismatch, JobTooLarge, ModelInfo, QueueFull,
+                                  QueueRefusesWrites, QueueUnavailable)
+from services.jobs.policy import RetryPolicy
+from services.jobs.records import LEVELS, NORMAL, NewJob, Submitted
+from services.jobs.redis_consume import RedisConsuming, _s, deadline
+from services.jobs.redis_errors import is_full, is_outage, refusal_reason
 from services.jobs.settings import QueueSettings, redact
 
 log = logging.getLogger("onecard.jobs")
 MAX_BLOCK_S = 5.0
+CURSOR_RE = re.compile(r"(-?[0-9]+):([0-9a-f]{32})")
 
 
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
-def _deadline(method):
-    """Every Redis operation ends within op_timeout_s (plus the blocking read's own wait for
-    take): a Redis that hangs (stopped, swapping, a network that drops packets) is
-    QueueUnavailable, a 503 for the API and a retry for the consumer, never a hung request.
-    A command cut mid-way closes its connection (redis-py), so no reply is read out of turn."""
-    extra = method.__name__ == "take"
-
-    @functools.wraps(method)
-    async def bounded(self, *args, **kwargs):
-        limit = self.settings.op_timeout_s + (self.block_s if extra else 0.0)
-        try:
-            async with asyncio.timeout(limit):
-                return await method(self, *args, **kwargs)
-        except TimeoutError:
-            raise QueueUnavailable(f"no answer from Redis within {limit:g} s") from None
-    return bounded
-
-
-class RedisBroker(Broker):
+class RedisBroker(RedisConsuming, Broker):
     mode = "redis"
 
     def __init__(self, url: str, settings: QueueSettings, node: str, max_queued: int,
-                 clock: Callable[[], float] = time.time):
-        super().__init__()
+                 policy: RetryPolicy | None = None, clock: Callable[[], float] = time.time):
+        Broker.__init__(self, policy or RetryPolicy.from_settings(settings))
         self.url, self.settings, self.node, self.max_queued, self.clock = url, settings, node, max_queued, clock
         self.p, self.group = settings.prefix, settings.group
         self.consumer = f"{node}-{os.getpid()}-{os.urandom(3).hex()}"
@@ -90,8 +74,7 @@ class RedisBroker(Broker):
                      if hasattr(socket, o)}
         self.listener = aioredis.from_url(url, socket_timeout=None, socket_keepalive=True, socket_keepalive_options={
             getattr(socket, o): v for o, v in keepalive.items()}, **kw)
-        self.scripts = {name: self.r.register_script(getattr(lua, name))
-                        for name in ("SUBMIT", "START", "RENEW", "FINISH", "REQUEUE", "CANCEL", "DISCARD")}
+        self.scripts = {name: (s, self.r.register_script(s.source)) for name, s in lua.SCRIPTS.items()}
         self._next_reclaim: dict[str, float] = {}
         self._cursor: dict[str, str] = {}
         self._listen_task: asyncio.Task | None = None
@@ -107,11 +90,20 @@ class RedisBroker(Broker):
     def result_key(self, job_id: str) -> str:
         return f"{self.p}:result:{job_id}"
 
-    def stream(self, label: str) -> str:
-        return f"{self.p}:stream:{label}"
+    def stream(self, label: str, level: str = NORMAL) -> str:
+        return f"{self.p}:stream:{label}" if level == NORMAL else f"{self.p}:stream:{label}:{level}"
+
+    def streams(self, label: str) -> list[str]:
+        return [self.stream(label, level) for level in LEVELS]
+
+    def delayed_key(self, label: str) -> str:
+        return f"{self.p}:delayed:{label}"
 
     def dead_stream(self, label: str) -> str:
         return f"{self.p}:dead:{label}"
+
+    def index_key(self, label: str, state: str) -> str:
+        return f"{self.p}:idx:{state}:{label}"
 
     def idem_key(self, key: str) -> str:
         return f"{self.p}:idem:{hashlib.sha256(key.encode()).hexdigest()}"
@@ -120,23 +112,69 @@ class RedisBroker(Broker):
     def stats_key(self) -> str:
         return f"{self.p}:stats"
 
-    async def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
+    def job_keys(self, job_id: str, label: str) -> dict[str, str]:
+        keys = {"job": self.job_key(job_id), "body": self.body_key(job_id), "reserved": f"{self.p}:reserved",
+                "dead": self.dead_stream(label), "stats": self.stats_key}
+        keys.update({f"idx_{s}": self.index_key(label, s)
+                     for s in ("queued", "running", "succeeded", "failed", "cancelled", "dead")})
+        return keys
+
+    def job_args(self, job_id: str, label: str) -> dict[str, Any]:
+        now = self.clock()
+        return {"job_id": job_id, "now": repr(now), "now_ms": int(now * 1000), "ttl_ms": self.ttl_ms, "label": label,
+                "dead_maxlen": self.settings.dead_letter_maxlen, "done_channel": self.done_channel}
+
+    def budget_args(self) -> dict[str, Any]:
+        return {"budget": self.settings.max_memory_bytes, "headroom": self.settings.memory_headroom}
+
+    # ---- scripts and refusals ---------------------------------------------------------
+    async def _call(self, name: str, keys: dict[str, Any], args: dict[str, Any], extra_keys=(), extra_args=()) -> Any:
+        script, runner = self.scripts[name]
+        k, a = script.bind(keys, args, extra_keys, extra_args)
         try:
-            return await self.scripts[name](keys=keys, args=args)
+            out = await runner(keys=k, args=a)
         except ResponseError as exc:
             if not is_outage(exc):
                 raise  # a script error is a bug, not an outage
+            reason = refusal_reason(exc)
+            if reason:
+                self._refused(reason)
+                raise QueueRefusesWrites(f"Redis refuses writes: {reason}") from exc
             raise QueueUnavailable(str(exc)) from exc
-        except (RedisError, OSError) as exc:
-            raise QueueUnavailable(str(exc)) from exc
+        if self.refusal is not None and script.denies_oom:  # a write that a full Redis would have refused
+            log.info("jobs: Redis takes writes again")
+            self.refusal = None
+        return out
+
+    def _refused(self, reason: str) -> None:
+        self.refusals[reason] += 1
+        if self.refusal != reason:
+            log.error("jobs: Redis refuses writes (%s): no new job can be accepted; jobs already accepted "
+                      "still move on (their writes may cross maxmemory)", reason)
+        self.refusal = reason
+
+    async def refuses_writes(self) -> str | None:
+        """A plain write, refused by a Redis at its maxmemory as a new job would be."""
+        try:
+            await asyncio.wait_for(self.r.set(f"{self.p}:probe:{self.consumer}", b"1", px=10_000),
+                                   self.settings.op_timeout_s)
+        except ResponseError as exc:
+            reason = refusal_reason(exc)
+            if reason:
+                self._refused(reason)
+                return reason
+            return None
+        except (RedisError, OSError, asyncio.TimeoutError):
+            return None  # not reachable: ping says so
+        if self.refusal is not None:
+            log.info("jobs: Redis takes writes again")
+            self.refusal = None
+        return None
 
     # ---- lifecycle --------------------------------------------------------------------
-    @_deadline
+    @deadline
     async def start(self) -> None:
-        try:
-            await self.r.ping()
-        except (RedisError, OSError) as exc:
-            raise QueueUnavailable(str(exc)) from exc
+        await self.r.ping()
         self._listen_task = asyncio.get_running_loop().create_task(self._listen(), name="jobs-cancel-listener")
 
     async def close(self) -> None:
@@ -153,10 +191,14 @@ class RedisBroker(Broker):
             return False
 
     def describe(self) -> dict[str, Any]:
+        s = self.settings
         return {"mode": self.mode, "url": redact(self.url), "prefix": self.p, "group": self.group,
-                "consumer": self.consumer, "visibility_timeout_s": self.settings.visibility_timeout_s,
-                "max_attempts": self.settings.max_attempts, "results_ttl_s": self.settings.results_ttl_s,
-                "op_timeout_s": self.settings.op_timeout_s, "max_connections": self.settings.max_connections}
+                "consumer": self.consumer, "visibility_timeout_s": s.visibility_timeout_s,
+                "max_attempts": s.max_attempts, "retry_backoff_s": s.retry_backoff_s,
+                "retry_backoff_max_s": s.retry_backoff_max_s, "results_ttl_s": s.results_ttl_s,
+                "idempotency_ttl_s": s.idempotency_ttl_s, "op_timeout_s": s.op_timeout_s,
+                "max_connections": s.max_connections, "max_memory_bytes": s.max_memory_bytes,
+                "refuses_writes": self.refusal}
 
     async def _listen(self) -> None:
         delay = 0.1
@@ -182,90 +224,140 @@ class RedisBroker(Broker):
             delay = min(2.0, delay * 2)
 
     # ---- the API side -------------------------------------------------------------
-    @_deadline
-    async def submit(self, job: NewJob, label: str) -> Submitted:
-        idem = self.idem_key(job.idempotency_key) if job.idempotency_key else ""
+    async def _replay(self, raw: bytes, job: NewJob) -> Submitted:
+        """An Idempotency-Key seen before (kept for idempotency_ttl_s, longer than its job)."""
         try:
-            for _ in range(5):
-                if idem:
-                    known = await self.r.get(idem)
-                    if known is not None:
-                        state, sha = await self.r.hmget(self.job_key(_s(known)), "state", "request_sha")
-                        if state is not None:
-                            if _s(sha) != job.request_sha:
-                                raise IdempotencyMismatch(_s(known))
-                            return Submitted(_s(known), _s(state), False)
-                        await self.r.delete(idem)  # its job expired: the key starts afresh
-                fields = {"id": job.id, "service": job.service, "route": job.route, "model": label,
-                          "attempts": 0, "created_at": repr(job.created_at), "request_sha": job.request_sha,
-                          "progress": 0, "state": QUEUED}
-                flat = [x for kv in fields.items() for x in kv]
-                out = await self._call("SUBMIT", [self.job_key(job.id), self.body_key(job.id), self.stream(label),
-                                                  idem or self.idem_key("-")],
-                                       [job.id, job.body, "1" if idem else "0",
-                                        int(self.settings.idempotency_ttl_s * 1000), self.group, self.max_queued,
-                                        repr(self.clock()), *flat])
-                verdict = _s(out[0])
-                if verdict == "full":
-                    raise QueueFull(f"{self.max_queued} jobs are already waiting for {label}")
-                if verdict == "ok":
-                    return Submitted(job.id, QUEUED, True)
-            raise QueueUnavailable("the Idempotency-Key kept racing")
-        except (QueueUnavailable, RedisError, OSError) as exc:
-            # noeviction at maxmemory: Redis is reachable but full, which the client should hear
-            if is_full(exc.__cause__ or exc):
-                raise QueueFull("Redis is at its maxmemory and refuses new jobs") from exc
-            if isinstance(exc, QueueUnavailable):
-                raise
-            raise QueueUnavailable(str(exc)) from exc
+            known = json.loads(raw)
+            known_id, sha, model = str(known["id"]), known.get("sha"), str(known.get("model") or "")
+        except (ValueError, KeyError, TypeError):
+            known_id, sha, model = _s(raw), None, ""  # written by an older version: the id alone
+        state, job_sha = await self.r.hmget(self.job_key(known_id), "state", "request_sha")
+        if (sha or (job_sha and _s(job_sha))) not in (None, job.request_sha):
+            raise IdempotencyMismatch(known_id)
+        return Submitted(known_id, _s(state) if state else "expired", False, model)
 
-    @_deadline
+    @deadline
+    async def submit(self, job: NewJob, label: str) -> Submitted:
+        idem = self.idem_key(job.idempotency_key) if job.idempotency_key else self.idem_key("-")
+        value = json.dumps({"id": job.id, "sha": job.request_sha, "model": label}) if job.idempotency_key else ""
+        fields = {"id": job.id, "service": job.service, "route": job.route, "model": label, "priority": job.priority,
+                  "attempts": "0", "runs": "0", "created_at": repr(job.created_at), "request_sha": job.request_sha,
+                  "progress": "0"}
+        for _ in range(5):
+            if job.idempotency_key:
+                known = await self.r.get(idem)
+                if known is not None:
+                    return await self._replay(known, job)
+            try:
+                out = await self._call("SUBMIT", {"stream": self.stream(label, job.priority), "idem": idem,
+                                                  **self.job_keys(job.id, label)},
+                                       {"body": job.body, "idem_value": value,
+                                        "idem_ttl_ms": int(self.settings.idempotency_ttl_s * 1000),
+                                        "group": self.group, "max_queued": self.max_queued,
+                                        "fields": json.dumps(fields), "reserve": job.reserve,
+                                        **self.budget_args(), **self.job_args(job.id, label)})
+            except QueueRefusesWrites as exc:
+                if is_full(exc.__cause__):  # noeviction at maxmemory: reachable but full, which the client hears
+                    raise QueueFull("Redis is at its maxmemory and refuses new jobs") from exc
+                raise
+            verdict = _s(out[0])
+            if verdict == "full":
+                raise QueueFull(f"{self.max_queued} jobs are already waiting for {label}")
+            if verdict == "nomem":
+                used, reserved, budget = (int(_s(x)) for x in out[1:4])
+                need = len(job.body) + job.reserve
+                if need > budget:
+                    raise JobTooLarge(f"the job needs {need} bytes of the queue (its body, {len(job.body)}, and "
+                                      f"{job.reserve} kept for its result), over the queue's whole budget of "
+                                      f"{budget} bytes")
+                raise QueueFull(f"the queue has no room for this job now: its body ({len(job.body)} bytes) and the "
+                                f"room kept for its result ({job.reserve}) would take Redis over its budget ({used} "
+                                f"bytes used, {reserved} reserved for accepted jobs, of {budget})")
+            if verdict == "ok":
+                return Submitted(job.id, "queued", True, label)
+        raise QueueUnavailable("the Idempotency-Key kept racing")
+
+    @deadline
     async def get(self, job_id: str) -> dict[str, str] | None:
-        try:
-            raw = await self.r.hgetall(self.job_key(job_id))
-        except (RedisError, OSError) as exc:
-            raise QueueUnavailable(str(exc)) from exc
+        raw = await self.r.hgetall(self.job_key(job_id))
         return {_s(k): _s(v) for k, v in raw.items()} or None
 
-    @_deadline
+    @deadline
     async def result(self, job_id: str) -> bytes | None:
-        try:
-            return await self.r.get(self.result_key(job_id))
-        except (RedisError, OSError) as exc:
-            raise QueueUnavailable(str(exc)) from exc
+        return await self.r.get(self.result_key(job_id))
 
-    @_deadline
-    async def read(self, job_id: str, with_result: bool) -> tuple[dict[str, str], bytes | None] | None:
-        """One round trip for both (a result is kept as long as its job)."""
-        try:
-            async with self.r.pipeline(transaction=False) as pipe:
-                pipe.hgetall(self.job_key(job_id))
-                if with_result:
-                    pipe.get(self.result_key(job_id))
-                res = await pipe.execute()
-        except (RedisError, OSError) as exc:
-            raise QueueUnavailable(str(exc)) from exc
-        fields = {_s(k): _s(v) for k, v in res[0].items()}
-        if not fields:
-            return None
-        return fields, (res[1] if with_result and fields.get("state") == "succeeded" else None)
+    @deadline
+    async def result_size(self, job_id: str) -> int | None:
+        async with self.r.pipeline(transaction=False) as pipe:
+            size, exists = await pipe.strlen(self.result_key(job_id)).exists(self.result_key(job_id)).execute()
+        return int(size) if exists else None
 
-    @_deadline
+    @deadline
+    async def result_chunk(self, job_id: str, start: int, size: int) -> bytes:
+        return await self.r.getrange(self.result_key(job_id), start, start + size - 1) if size > 0 else b""
+
+    @deadline
     async def cancel(self, job_id: str) -> tuple[str, dict[str, str]] | None:
-        verdict = _s(await self._call("CANCEL", [self.job_key(job_id), self.body_key(job_id)],
-                                      [repr(self.clock()), self.ttl_ms, self.channel, job_id, self.done_channel]))
+        model = await self.r.hget(self.job_key(job_id), "model")
+        if model is None:
+            return None
+        label = _s(model)
+        verdict = _s(await self._call("CANCEL", self.job_keys(job_id, label),
+                                      {"cancel_channel": self.channel, **self.job_args(job_id, label)}))
         fields = await self.get(job_id) if verdict != "missing" else None
         return (verdict, fields) if fields else None
 
-    @_deadline
+    @deadline
+    async def list_jobs(self, label: str, state: str, limit: int, cursor: str | None
+                        ) -> tuple[list[dict[str, str]], str | None]:
+        key = self.index_key(label, state)
+        start = 0
+        if cursor:
+            m = CURSOR_RE.fullmatch(cursor)
+            if m is None:
+                raise ValueError("not a cursor of this queue")
+            rank = await self.r.zrank(key, m.group(2))
+            if rank is None:  # the job left the state meanwhile: start at its score
+                first = await self.r.zrangebyscore(key, int(m.group(1)), "+inf", start=0, num=1)
+                rank = await self.r.zrank(key, first[0]) if first else None
+                start = rank if rank is not None else await self.r.zcard(key)
+            else:
+                start = rank + 1
+        members = await self.r.zrange(key, start, start + limit, withscores=True)
+        page, more = members[:limit], len(members) > limit
+        async with self.r.pipeline(transaction=False) as pipe:
+            for member, _ in page:
+                pipe.hgetall(self.job_key(_s(member)))
+            records = await pipe.execute() if page else []
+        jobs, gone = [], []
+        for (member, _), raw in zip(page, records):
+            if raw:
+                jobs.append({_s(k): _s(v) for k, v in raw.items()})
+            else:
+                gone.append(member)
+        if gone:  # expired records: their index entries go too
+            await self.r.zrem(key, *gone)
+        nxt = f"{int(page[-1][1])}:{_s(page[-1][0])}" if more and page else None
+        return jobs, nxt
+
+    @deadline
+    async def redrive(self, job_id: str) -> str:
+        model, priority = await self.r.hmget(self.job_key(job_id), "model", "priority")
+        if model is None:
+            return "missing"
+        label, level = _s(model), _s(priority) if priority else NORMAL
+        try:
+            return _s(await self._call("REDRIVE", {"stream": self.stream(label, level), **self.job_keys(job_id, label)},
+                                       {"group": self.group, **self.budget_args(), **self.job_args(job_id, label)}))
+        except QueueRefusesWrites:
+            return "nomem"
+
+    @deadline
     async def models(self) -> dict[str, ModelInfo]:
         now = time.monotonic()
         if self._models_cache and now - self._models_cache[0] < 2.0:
             return self._models_cache[1]
-        try:
-            raw = await self.r.hgetall(f"{self.p}:models")
-        except (RedisError, OSError) as exc:
-            raise QueueUnavailable(str(exc)) from exc
+        raw = await self.r.hgetall(f"{self.p}:models")
         out = {}
         for k, v in raw.items():
             try:
@@ -275,125 +367,20 @@ class RedisBroker(Broker):
         self._models_cache = (now, out)
         return out
 
-    @_deadline
-    async def announce(self, info: ModelInfo) -> None:
-        try:
-            await self.r.hset(f"{self.p}:models", info.label, json.dumps(info.to_json()))
-            try:
-                await self.r.xgroup_create(self.stream(info.label), self.group, id="0", mkstream=True)
-            except ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
-        except (RedisError, OSError) as exc:
-            raise QueueUnavailable(str(exc)) from exc
-        self._models_cache = None
+    async def _announce(self, label: str, info: str) -> tuple[int, str]:
+        changed, epoch = await self._call(
+            "ANNOUNCE", {"models": f"{self.p}:models", "epoch": f"{self.p}:epoch"},
+            {"label": label, "info": info, "group": self.group, "epoch": os.urandom(8).hex()},
+            extra_keys=self.streams(label) if label else ())
+        return int(changed), _s(epoch)
 
-    # ---- the consumer side --------------------------------------------------------
-    async def _read(self, label: str, count: int, block_s: float) -> list[tuple[str, dict]]:
-        stream = self.stream(label)
-        now = time.monotonic()
-        if now >= self._next_reclaim.get(label, 0.0):
-            self._next_reclaim[label] = now + self.reclaim_period_s
-            cursor, entries, *_ = await self.r.xautoclaim(stream, self.group, self.consumer, self.visibility_ms,
-                                                           start_id=self._cursor.get(label, "0-0"), count=count)
-            self._cursor[label] = _s(cursor)
-            entries = [(e, f) for e, f in entries if f is not None]
-            if entries:
-                log.info("jobs: took over %d job(s) idle for over %.1f s on %s", len(entries),
-                         self.settings.visibility_timeout_s, label)
-                return [(_s(e), f) for e, f in entries]
-        try:
-            resp = await self.blocking.xreadgroup(self.group, self.consumer, {stream: ">"}, count=count,
-                                                  block=max(1, int(min(block_s, self.block_s) * 1000)))
-        except ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            await self.r.xgroup_create(stream, self.group, id="0", mkstream=True)
-            return []
-        out = []
-        for _stream, entries in resp or []:
-            out += [(_s(e), f) for e, f in entries]
-        return out
+    @deadline
+    async def announce(self, info: ModelInfo) -> bool:
+        changed, _ = await self._announce(info.label, json.dumps(info.to_json(), sort_keys=True))
+        if changed:
+            self._models_cache = None
+        return changed == 1
 
-    @_deadline
-    async def take(self, label: str, count: int, block_s: float) -> list[Delivery]:
-        try:
-            entries = await self._read(label, count, block_s)
-            out = []
-            for entry, fields in entries:
-                job_id = _s(fields.get(b"id", b""))
-                if not valid_id(job_id):
-                    await self._call("DISCARD", [self.stream(label), self.dead_stream(label), self.stats_key],
-                                     [self.group, entry, "not a job entry", repr(self.clock()),
-                                      self.settings.dead_letter_maxlen, label])
-                    log.warning("jobs: discarded a malformed entry %s on %s", entry, label)
-                    continue
-                res = await self._call("START", [self.job_key(job_id), self.body_key(job_id), self.stream(label),
-                                                 self.dead_stream(label), self.stats_key],
-                                       [self.group, entry, self.node, repr(self.clock()), self.settings.max_attempts,
-                                        self.ttl_ms, label, self.settings.dead_letter_maxlen, job_id, self.consumer,
-                                        self.done_channel])
-                if _s(res[0]) != "run":
-                    if _s(res[0]) == "dead":
-                        log.warning("jobs: %s failed after %d attempts; dead-lettered", job_id,
-                                    self.settings.max_attempts)
-                    continue
-                queued_at = float(_s(res[3])) if res[3] else None
-                out.append(Delivery(job_id, label, _s(res[2]), res[4], int(res[1]), entry, queued_at, self.clock()))
-            return out
-        except (RedisError, OSError) as exc:
-            raise QueueUnavailable(str(exc)) from exc
-
-    @_deadline
-    async def renew(self, label: str, deliveries: list[Delivery]) -> set[str]:
-        if not deliveries:
-            return set()
-        flags = await self._call("RENEW", [self.stream(label), *(self.job_key(d.job_id) for d in deliveries)],
-                                 [self.group, self.consumer, *(d.entry for d in deliveries)])
-        return {d.job_id for d, flag in zip(deliveries, flags) if _s(flag) == "1"}
-
-    @_deadline
-    async def finish(self, d: Delivery, outcome: Outcome) -> bool:
-        res = await self._call("FINISH", [self.job_key(d.job_id), self.body_key(d.job_id), self.result_key(d.job_id),
-                                          self.stream(d.label), self.dead_stream(d.label), self.stats_key],
-                               [self.group, d.entry, outcome.state, repr(self.clock()), self.ttl_ms,
-                                "1" if outcome.result is not None else "0", outcome.result or b"",
-                                outcome.content_type or "", outcome.status or "", json.dumps(outcome.headers),
-                                json.dumps(outcome.error) if outcome.error else "",
-                                "1" if outcome.dead_letter else "0", d.label, self.settings.dead_letter_maxlen,
-                                d.job_id, d.attempt, self.channel, self.done_channel])
-        return _s(res) == "ok"
-
-    @_deadline
-    async def requeue(self, d: Delivery, error: dict[str, Any] | None, counted: bool) -> str:
-        res = await self._call("REQUEUE", [self.job_key(d.job_id), self.body_key(d.job_id), self.stream(d.label),
-                                           self.dead_stream(d.label), self.stats_key],
-                               [self.group, d.entry, repr(self.clock()), json.dumps(error) if error else "",
-                                "1" if counted else "0", self.settings.max_attempts, self.ttl_ms, d.label,
-                                self.settings.dead_letter_maxlen, d.job_id, self.done_channel])
-        return _s(res)
-
-    @_deadline
-    async def stream_stats(self, labels: list[str]) -> list[dict[str, Any]]:
-        try:
-            pipe = self.r.pipeline(transaction=False)
-            for label in labels:
-                pipe.xinfo_groups(self.stream(label))
-                pipe.xlen(self.stream(label))
-                pipe.hget(self.stats_key, f"dead:{label}")
-            res = await pipe.execute(raise_on_error=False)
-        except (RedisError, OSError) as exc:
-            raise QueueUnavailable(str(exc)) from exc
-        out = []
-        for i, label in enumerate(labels):
-            groups, length, dead = res[3 * i: 3 * i + 3]
-            group = next((g for g in groups if _s(g.get("name")) == self.group), None) \
-                if isinstance(groups, list) else None
-            length = length if isinstance(length, int) else 0
-            pending = int(group["pending"]) if group else 0
-            lag = group.get("lag") if group else None
-            out.append({"stream": self.stream(label), "model": label,
-                        "lag": int(lag) if lag is not None else max(0, length - pending),
-                        "pending": pending,
-                        "dead_lettered": int(dead) if isinstance(dead, (bytes, str, int)) else 0})
-        return out
+    @deadline
+    async def epoch(self) -> str | None:
+        return (await self._announce("", ""))[1]

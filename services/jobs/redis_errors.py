@@ -22,3 +22,16 @@ def is_outage(exc: BaseException) -> bool:
     if not isinstance(exc, ResponseError):
         return False
     return isinstance(exc, _OUTAGE_CLASSES) or is_full(exc) or str(exc).lstrip("-").startswith(_OUTAGE_PREFIXES)
+
+
+def refusal_reason(exc: BaseException | None) -> str | None:
+    """Why Redis refuses a write, when it answered and refused: full, or a read-only replica."""
+    if not isinstance(exc, ResponseError):
+        return None
+    if is_full(exc):
+        return "maxmemory: Redis is full (noeviction)"
+    if isinstance(exc, ReadOnlyError) or str(exc).startswith("READONLY"):
+        return "read-only: a replica after a failover"
+    if str(exc).startswith(("MASTERDOWN", "NOREPLICAS")):
+        return "its primary is down"
+    return None

@@ -6,31 +6,38 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import concurrent.futures.process
 import logging
+import multiprocessing
 import os
 from typing import Any, Callable
 
 
+from services.jobs.admission import SubmitBudget
 from services.jobs.broker import Broker, ModelInfo, QueueUnavailable
-from services.jobs.consumer import Consumer
+from services.jobs.consumer import Consumer, is_json_document
 from services.jobs.memory_broker import MemoryBroker
 from services.jobs.metrics import STAGES, JobsMetrics
-from services.jobs.payload import Limits, SubmitRequest
+from services.jobs.payload import Digest, Limits, SubmitRequest, digest_submit
+from services.jobs.policy import RetryPolicy
 from services.jobs.records import TERMINAL
+from services.jobs.registry import Registry
 from services.jobs.settings import JobsSettings
 from services.jobs.targets import ResultTooLarge, Target, TargetTimeout, TargetUnreachable, unit_services
 from services.runtime.errors import ApiError
 
 log = logging.getLogger("onecard.jobs")
 INLINE_BYTES = 64 * 1024  # smaller payloads are parsed on the loop: a thread hop would cost more
+PROCESS_BYTES = 1024 * 1024  # bigger submits are parsed in a helper process: no GIL held for long here
 
 
 def make_broker(settings: JobsSettings, node: str, environ=os.environ) -> Broker:
     url = settings.queue.resolved_url(environ)  # StartupConfigError when url_env names a missing variable
+    policy = RetryPolicy.from_settings(settings.queue)
     if url is None:
-        return MemoryBroker(settings.queue, node, settings.max_queued_jobs)
+        return MemoryBroker(settings.queue, node, settings.max_queued_jobs, policy)
     from services.jobs.redis_broker import RedisBroker  # only units with a queue need redis-py
-    return RedisBroker(url, settings.queue, node, settings.max_queued_jobs)
+    return RedisBroker(url, settings.queue, node, settings.max_queued_jobs, policy)
 
 
 class JobsService:
@@ -54,6 +61,11 @@ class JobsService:
         self.startup_problem: str | None = None
         self._startup_task: asyncio.Task | None = None
         self.executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="onecard-jobs-cpu")
+        self._processes: concurrent.futures.ProcessPoolExecutor | None = None  # big submits, started on first use
+        self.submits = SubmitBudget(settings.submit_memory_bytes, settings.retry_after_s)
+        self.result_streams = 0
+        self.registry = Registry(self.broker, lambda: [t.model_info() for t in self.targets if t.label],
+                                 self.metrics, settings.queue.announce_period_s)
 
     # ---- lifecycle --------------------------------------------------------------------
     def begin(self) -> None:
@@ -78,13 +90,12 @@ class JobsService:
             self.startup_problem = f"two local services report the same model label {sorted(dup)}"
             log.error("jobs: %s; set model_label per target", self.startup_problem)
             return
-        for t in self.targets:
-            info = t.model_info()
-            await self._until_queue(lambda: self.broker.announce(info))
+        await self._until_queue(self.registry.check)
+        self.registry.start()
         if self.settings.consume:
             renew = max(0.1, self.settings.queue.visibility_timeout_s / 3)
             for t in self.targets:
-                c = Consumer(self.broker, t, self.settings, self.metrics, renew)
+                c = Consumer(self.broker, t, self.settings, self.metrics, renew, self.is_json)
                 self.consumers[t.label] = c
                 c.start()
         self.startup_problem = None
@@ -133,10 +144,13 @@ class JobsService:
             await asyncio.gather(self._startup_task, return_exceptions=True)
         drain = max(0.0, self._drain_deadline - asyncio.get_running_loop().time())
         await asyncio.gather(*(c.stop(drain) for c in self.consumers.values()))
+        await self.registry.stop()
         for t in self.targets:
             await t.close()
         await self.broker.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self._processes is not None:
+            self._processes.shutdown(wait=False, cancel_futures=True)
 
     def problem(self) -> str | None:
         """Why this process cannot do its work (for /healthz), or None."""
@@ -155,21 +169,21 @@ class JobsService:
         if ev is not None:
             ev.set()
 
-    async def job(self, job_id: str, wait_s: float, with_result: bool) -> tuple[dict[str, str], bytes | None] | None:
-        """The job's fields (and result), once it is finished or after ``wait_s`` (a long poll)."""
+    async def job(self, job_id: str, wait_s: float) -> dict[str, str] | None:
+        """The job's fields, once it is finished or after ``wait_s`` (a long poll)."""
         if wait_s <= 0 or self.draining:
-            return await self.broker.read(job_id, with_result)
+            return await self.broker.get(job_id)
         ev = self._waiters.setdefault(job_id, asyncio.Event())
         self._waiting[job_id] = self._waiting.get(job_id, 0) + 1
         try:
-            found = await self.broker.read(job_id, with_result)  # after registering: no finish slips between
-            if found is None or found[0].get("state") in TERMINAL:
+            found = await self.broker.get(job_id)  # after registering: no finish slips between
+            if found is None or found.get("state") in TERMINAL:
                 return found
             try:
                 await asyncio.wait_for(ev.wait(), wait_s)
             except asyncio.TimeoutError:
                 pass
-            return await self.broker.read(job_id, with_result)
+            return await self.broker.get(job_id)
         finally:
             self._waiting[job_id] -= 1
             if not self._waiting[job_id]:
@@ -180,6 +194,40 @@ class JobsService:
         for c in self.consumers.values():
             if c.cancel(job_id):
                 return
+
+    async def queue_problem(self) -> str | None:
+        """Why the queue cannot take this unit's work now (for /readyz), or None."""
+        if not await self.broker.ping():
+            return "the job queue cannot be reached"
+        refusal = await self.broker.refuses_writes()
+        if refusal:
+            return f"the job queue refuses writes ({refusal}): no new job can be accepted"
+        return None
+
+    async def digest(self, raw: bytes) -> Digest:
+        """The submit parsed and checked with the unit's own limits (digest_submit)."""
+        limits = Limits(self.settings.max_image_bytes, self.settings.max_pixels)
+        return await self.heavy(len(raw), digest_submit, raw, self.settings.max_json_depth, limits)
+
+    async def is_json(self, data: bytes) -> bool:
+        return await self.heavy(len(data), is_json_document, data)
+
+    async def heavy(self, size: int, fn: Callable, *args: Any) -> Any:
+        """CPU work on a caller's data: in a thread when small, in a helper process when big. A
+        thread is not enough for big JSON: json.loads and json.dumps of 30 MB hold the GIL, and
+        with it the probes, for tens of milliseconds."""
+        if size <= PROCESS_BYTES:
+            return await self.cpu(size, fn, *args)
+        if self._processes is None:
+            self._processes = concurrent.futures.ProcessPoolExecutor(
+                2, mp_context=multiprocessing.get_context("spawn"))  # never a bare fork of a threaded process
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._processes, fn, *args)
+        except concurrent.futures.process.BrokenProcessPool:
+            log.warning("jobs: the helper process died; starting another")
+            self._processes.shutdown(wait=False, cancel_futures=True)
+            self._processes = None
+            return await self.cpu(size, fn, *args)
 
     async def cpu(self, size: int, fn: Callable, *args: Any) -> Any:
         if size <= INLINE_BYTES:
@@ -197,7 +245,7 @@ class JobsService:
             known[label] = t.model_info()
         return known
 
-    async def resolve(self, req: SubmitRequest) -> tuple[str, Limits, Target | None]:
+    async def resolve(self, req: SubmitRequest | Digest) -> tuple[str, Limits, Target | None]:
         """The model label a submit goes to, the limits its body must meet, and the local
         target when this unit has the model."""
         known = await self.known_models()

@@ -81,6 +81,20 @@ class QueueSettings(_Strict):
                                    "in memory; beyond, the oldest finished jobs are forgotten")
     max_queued_bytes: int = Field(2**30, ge=1024, le=2**40, description="embedded queue: bytes of the bodies of "
                                   "queued and running jobs; a submit beyond gets 503 queue_full")
+    retry_backoff_s: float = Field(1.0, ge=0, le=3600, allow_inf_nan=False, description="a failed attempt is "
+                                   "retried after this, doubled at each attempt (0: at once)")
+    retry_backoff_max_s: float = Field(60.0, ge=0, le=86400, allow_inf_nan=False,
+                                       description="the longest wait between two attempts")
+    retry_jitter: float = Field(0.5, ge=0, le=1, allow_inf_nan=False, description="each wait is drawn from "
+                                "[backoff * (1 - jitter), backoff]: jobs that failed together come back apart")
+    max_idempotency_keys: int = Field(100_000, ge=1, le=100_000_000, description="embedded queue: Idempotency-Keys "
+                                      "remembered; beyond, the oldest are forgotten before idempotency_ttl_s")
+    max_memory_bytes: int = Field(0, ge=0, le=2**50, description="Redis: bytes the queue may fill (bodies, results "
+                                  "reserved for accepted jobs, stored results); 0: Redis's own maxmemory")
+    memory_headroom: float = Field(0.1, ge=0, lt=1, allow_inf_nan=False, description="Redis: the share of maxmemory "
+                                   "kept free for Redis itself (stream entries, client buffers, fragmentation)")
+    announce_period_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False, description="how often a unit checks "
+                                     "that its models are announced (and that Redis kept its data)")
 
     def resolved_url(self, environ=os.environ) -> str | None:
         """The Redis URL, or None for the embedded queue. A url_env naming a variable that is
@@ -171,6 +185,15 @@ class JobsSettings(_Strict):
                                 "json_too_deep (the envelope adds one level to a service's own body limit of 32)")
     max_result_bytes: int = Field(128 * 2**20, ge=1024, le=2**31, description="a service's answer over this fails "
                                   "the job (result_too_large); it is not stored")
+    result_reserve_bytes: int = Field(16 * 2**20, ge=0, le=2**31, description="room kept for a job's result at "
+                                      "submit when the service's dry run does not say (cost.output_bytes)")
+    submit_memory_bytes: int = Field(256 * 2**20, ge=2**20, le=2**40, description="memory that submits being read "
+                                     "and checked may hold together (3 x each body); beyond, 503 busy before the "
+                                     "body is read")
+    max_result_streams: int = Field(64, ge=1, le=100_000, description="job results sent at once; beyond, 503 busy")
+    result_send_timeout_s: float = Field(30.0, gt=0, le=3600, allow_inf_nan=False, description="a client that "
+                                         "reads no part of a result for this long is cut off")
+    max_list_limit: int = Field(500, ge=1, le=10_000, description="most jobs in one page of GET /v1/jobs")
     # the connection limits every onecard service applies (services.runtime.serve reads them)
 
     # ---- connections and protocol ------------------------------------------------------

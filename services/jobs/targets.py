@@ -27,6 +27,7 @@ log = logging.getLogger("onecard.jobs")
 DRY_RUN_HEADER = "X-Onecard-Dry-Run"
 JOB_HEADER = "X-Onecard-Job"
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.1, 5.0
+MAX_ERROR_BYTES = 64 * 1024
 
 
 def unit_services(settings: JobsSettings, own_name: str, environ=os.environ) -> dict[str, TargetSettings]:
@@ -91,6 +92,14 @@ class TargetUnreachable(Exception):
     """No answer from the local service: connection refused or reset."""
 
 
+class TargetNotSent(TargetUnreachable):
+    """The request never reached the service (connection refused: it is down or restarting)."""
+
+
+class TargetCrashed(TargetUnreachable):
+    """The service went away while it had the request (reset, closed without an answer)."""
+
+
 class TargetTimeout(Exception):
     """The local service did not answer in time."""
 
@@ -109,11 +118,14 @@ class Answer:
         return json.loads(self.body)
 
     def error(self) -> dict[str, Any]:
-        """The service's error envelope as a job error (status included)."""
+        """The service's error envelope as a job error (status included). An envelope is
+        small: a big body is not parsed (on the event loop) to find one."""
         try:
+            if len(self.body) > MAX_ERROR_BYTES:
+                raise ValueError("not an error envelope")
             err = self.json()["error"]
-            return {"code": str(err["code"]), "message": str(err["message"]), "status": self.status}
-        except (ValueError, KeyError, TypeError):
+            return {"code": str(err["code"])[:200], "message": str(err["message"])[:2000], "status": self.status}
+        except (ValueError, KeyError, TypeError, RecursionError):
             text = self.body[:500].decode(errors="replace")
             return {"code": "service_error", "message": text or f"HTTP {self.status}", "status": self.status}
 
@@ -148,11 +160,23 @@ class Target:
         return h
 
     def open(self) -> None:
-        """aiohttp, not httpx, for this hop: about 0.3 ms a call here against 1 ms (bench/jobs_bench.py)."""
+        """aiohttp, not httpx, for this hop: about 0.3 ms a call here against 1 ms (bench/jobs_bench.py).
+        Idle connections are dropped after 2 s, before the service's own keep-alive timeout
+        closes them: a request sent on a connection the server is closing reads as a crash."""
         n = self.max_in_flight + 4
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=n, limit_per_host=n), trust_env=False, auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(total=self.run_timeout_s, sock_connect=5.0))
+            connector=aiohttp.TCPConnector(limit=n, limit_per_host=n, keepalive_timeout=2.0), trust_env=False,
+            auto_decompress=False, timeout=aiohttp.ClientTimeout(total=self.run_timeout_s, sock_connect=5.0))
+
+    async def reset(self) -> None:
+        """After a crash: no job is sent before the service answers /readyz again, and never on
+        a connection pooled before (the loop may not have seen the dead process close it yet:
+        a job sent on it would read as another crash). A request still on the old session
+        fails as not sent."""
+        self.up = False
+        old, self.session = self.session, None
+        if old is not None:
+            await old.close()
 
     async def close(self) -> None:
         if self.session is not None:
@@ -163,12 +187,15 @@ class Target:
                       timeout: float | None = None) -> Answer:
         if not valid_route(route):  # checked at submit; checked again: a queue entry is not trusted
             raise ValueError(f"not a route: {route[:80]!r}")
-        if self.session is None:
+        if self.session is None or self.session.closed:
             self.open()
+        session = self.session
         kw = {"timeout": aiohttp.ClientTimeout(total=timeout, sock_connect=5.0)} if timeout else {}
         limit = self.max_result_bytes
         try:
-            async with self.session.request(method, self.url + route, data=body, headers=headers or self.headers(),
+            if session.closed:
+                raise TargetNotSent(f"{self.name}: its connections were reset")
+            async with session.request(method, self.url + route, data=body, headers=headers or self.headers(),
                                             allow_redirects=False, **kw) as resp:
                 if (resp.content_length or 0) > limit:
                     raise ResultTooLarge(f"{self.name} answered {resp.content_length} bytes, over max_result_bytes "
@@ -181,8 +208,14 @@ class Target:
                 return Answer(resp.status, {k.lower(): v for k, v in resp.headers.items()}, bytes(buf))
         except asyncio.TimeoutError as exc:
             raise TargetTimeout(f"{self.name}: no answer in time") from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise TargetNotSent(f"{self.name}: {exc!r}") from exc
+        except RuntimeError as exc:  # "Session is closed": reset by a crash before this request left
+            if not session.closed:
+                raise
+            raise TargetNotSent(f"{self.name}: its connections were reset") from exc
         except aiohttp.ClientError as exc:
-            raise TargetUnreachable(f"{self.name}: {exc!r}") from exc
+            raise TargetCrashed(f"{self.name}: {exc!r}") from exc
 
     async def discover(self) -> None:
         """Wait until the service is ready, then learn its label, routes and limits."""
@@ -242,30 +275,47 @@ class Target:
         takes as its client leaving (it drops the job or stops between steps)."""
         return await self.request("POST", route, body, {**self.headers(), JOB_HEADER: job_id})
 
-    async def dry_run(self, route: str, body: bytes) -> ApiError | None:
-        """The service's verdict on a body without running it. An ApiError to return to the
-        submitter, or None (valid, or the service cannot tell: structural checks stand)."""
+    async def dry_run(self, route: str, body: bytes) -> DryRun:
+        """The service's verdict on a body without running it: an ApiError to return to the
+        submitter, or none (valid, or the service cannot tell: structural checks stand), and
+        what the answer will weigh when the service says (cost.output_bytes)."""
         if not self.settings.dry_run or self.dry_run_supported is False:
-            return None
+            return DryRun()
         try:
             r = await self.request("POST", route, body, {**self.headers(), DRY_RUN_HEADER: "1"},
                                    timeout=self.dry_run_timeout_s)
         except TargetTimeout:
             self.dry_run_supported = False  # it ran the real thing: never ask again
-            return None
+            return DryRun()
         except (TargetUnreachable, ResultTooLarge):
-            return None
+            return DryRun()
         if 200 <= r.status < 300:
             try:
-                valid = r.json().get("valid") is True
+                doc = r.json()
+                valid = doc.get("valid") is True
             except (ValueError, AttributeError):
-                valid = False
+                doc, valid = None, False
             if not valid and self.dry_run_supported is None:
                 log.warning("jobs: %s does not support %s; submits get structural checks only", self.name,
                             DRY_RUN_HEADER)
             self.dry_run_supported = valid
-            return None
+            return DryRun(output_bytes=output_bytes(doc) if valid else None)
         if 400 <= r.status < 500 and r.status not in (401, 403, 408, 429):
             err = r.error()
-            return ApiError(r.status, err["code"], err["message"])
+            return DryRun(ApiError(r.status, err["code"], err["message"]))
+        return DryRun()
+
+
+@dataclass
+class DryRun:
+    error: ApiError | None = None
+    output_bytes: int | None = None     # the service's estimate of its answer's size
+
+
+def output_bytes(doc: Any) -> int | None:
+    """cost.output_bytes of a dry run's answer, when it is a sane number of bytes."""
+    cost = doc.get("cost") if isinstance(doc, dict) else None
+    value = cost.get("output_bytes") if isinstance(cost, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 2**40:
         return None
+    return int(value)

@@ -10,10 +10,14 @@ POST /api/v1/work, whose JSON body scripts the answer:
   retry_after  Retry-After header for that status
   times        only the first N calls with this tag get `status`; later ones succeed
   pad          answer this many more bytes (a "pad" string in the JSON answer)
+  binary       answer this many bytes of image/png-typed noise instead of JSON (seeded by the tag)
   chunked      send the answer in pieces without a Content-Length
+  crash        exit at once (os._exit) when the call starts, as a model that kills its process
 
 Settings: model (the model name in /info), batch (max_batch_size), dry_run (honour
-X-Onecard-Dry-Run: validate, answer {"valid": true}, never work), unit (echoed back),
+X-Onecard-Dry-Run: validate, answer {"valid": true}, never work), cost (the dry run also
+answers cost.output_bytes: pad or binary plus 200), max_body_bytes (in /info), journal (a file where every event is
+appended as "event tag" lines: it outlives a restart of the process), unit (echoed back),
 openapi (false: no /openapi.json, as a service that publishes none), openapi_failures (the
 first N fetches of /openapi.json answer 503, as a service still starting or overloaded).
 GET /calls shows the log: started, finished, disconnected, dry_runs (tags, in order).
@@ -25,12 +29,19 @@ import asyncio
 import collections
 import json
 import os
+import random
 
 
 def create_app(settings: dict):
     log = {"started": [], "finished": [], "disconnected": [], "dry_runs": []}
     seen: collections.Counter[str] = collections.Counter()
     name = os.environ.get("ONECARD_SERVICE_NAME", "scripted")
+
+    def record(event: str, tag) -> None:
+        log[event].append(tag)
+        if settings.get("journal"):
+            with open(settings["journal"], "a") as f:
+                f.write(f"{event} {tag}\n")
 
     async def respond(send, status, doc, headers=()):
         data = json.dumps(doc).encode()
@@ -70,27 +81,38 @@ def create_app(settings: dict):
         bad = validate(doc)
         dry = any(k == b"x-onecard-dry-run" and v == b"1" for k, v in scope["headers"])
         if dry and settings.get("dry_run"):
-            log["dry_runs"].append(doc.get("tag") if isinstance(doc, dict) else None)
-            return await respond(send, *(bad or (200, {"valid": True})))
+            record("dry_runs", doc.get("tag") if isinstance(doc, dict) else None)
+            answer = {"valid": True, "items": 1}
+            if settings.get("cost") and not bad:
+                answer["cost"] = {"output_bytes": int(doc.get("pad") or doc.get("binary") or 0) + 200}
+            return await respond(send, *(bad or (200, answer)))
         if bad:
             return await respond(send, *bad)
         tag = str(doc.get("tag", ""))
         seen[tag] += 1
-        log["started"].append(tag)
+        record("started", tag)
+        if doc.get("crash"):
+            os._exit(3)
         status = int(doc.get("status", 200))
         if status != 200 and seen[tag] <= int(doc.get("times", 10**9)):
             headers = [(b"retry-after", str(doc["retry_after"]).encode())] if "retry_after" in doc else []
-            log["finished"].append(tag)
+            record("finished", tag)
             return await respond(send, *error(status, doc.get("code", "scripted"), f"scripted {status}"), headers)
         sleeper = asyncio.ensure_future(asyncio.sleep(float(doc.get("sleep_s", 0))))
         gone = asyncio.ensure_future(receive())
         done, _ = await asyncio.wait({sleeper, gone}, return_when=asyncio.FIRST_COMPLETED)
         if gone in done and not sleeper.done():
             sleeper.cancel()
-            log["disconnected"].append(tag)
+            record("disconnected", tag)
             return
         gone.cancel()
-        log["finished"].append(tag)
+        record("finished", tag)
+        if doc.get("binary"):
+            data = random.Random(tag).randbytes(int(doc["binary"]))
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"image/png"), (b"content-length", str(len(data)).encode()),
+                (b"x-seed", b"42")]})
+            return await send({"type": "http.response.body", "body": data})
         answer = {"tag": tag, "unit": settings.get("unit"), "pid": os.getpid()}
         if doc.get("pad"):
             answer["pad"] = "x" * int(doc["pad"])
@@ -104,7 +126,7 @@ def create_app(settings: dict):
 
     info = {"service": name, "backend": "scripted", "model": settings.get("model", "m1"),
             "limits": {"max_batch_size": int(settings.get("batch", 1)), "max_queue": 8,
-                       "max_body_bytes": 1_000_000, "max_pixels": 1_000_000}}
+                       "max_body_bytes": int(settings.get("max_body_bytes", 1_000_000)), "max_pixels": 1_000_000}}
     json_body = {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}}
     openapi = {"openapi": "3.1.0", "paths": {"/api/v1/work": {"post": {"requestBody": json_body}},
                                              "/api/v1/reset": {"post": {}}, "/calls": {"get": {}}}}

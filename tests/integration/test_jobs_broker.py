@@ -16,6 +16,7 @@ import redis
 
 from services.jobs.broker import IdempotencyMismatch, QueueFull
 from services.jobs.memory_broker import MemoryBroker
+from services.jobs.policy import RetryPolicy
 from services.jobs.records import Delivery, NewJob, Outcome, error_doc, new_id
 from services.jobs.redis_broker import RedisBroker
 from services.jobs.settings import QueueSettings
@@ -38,12 +39,13 @@ def make(request):
     prefix = f"b{next(_prefixes)}"
     server = request.getfixturevalue("server") if request.param == "redis" else None
 
-    async def factory(node: str = "n1", max_queued: int = 100, **queue) -> MemoryBroker | RedisBroker:
-        settings = QueueSettings(prefix=prefix, **queue)
+    async def factory(node: str = "n1", max_queued: int = 100, policy: RetryPolicy | None = None,
+                      **queue) -> MemoryBroker | RedisBroker:
+        settings = QueueSettings(prefix=prefix, **{"retry_backoff_s": 0, **queue})
         if server is None:
-            broker = MemoryBroker(settings, node, max_queued)
+            broker = MemoryBroker(settings, node, max_queued, policy)
         else:
-            broker = RedisBroker(server.url, settings, node, max_queued)
+            broker = RedisBroker(server.url, settings, node, max_queued, policy)
         await broker.start()
         made.append(broker)
         return broker
@@ -86,8 +88,8 @@ def test_submit_take_finish_and_exactly_one_result(make):
         assert (await b.get(j.id))["state"] == "running"
         stats = (await b.stream_stats([LABEL]))[0]
         assert (stats["lag"], stats["pending"]) == (0, 1)
-        assert await b.finish(d, Outcome("succeeded", b"answer", "application/json", 200, {"x-seed": "3"}))
-        assert not await b.finish(d, Outcome("succeeded", b"second", "application/json", 200))  # duplicate
+        assert await b.finish(d, Outcome("succeeded", b"answer", "application/json", 200, {"x-seed": "3"})) == "ok"
+        assert await b.finish(d, Outcome("succeeded", b"second", "application/json", 200)) == "duplicate"
         fields = await b.get(j.id)
         assert fields["state"] == "succeeded" and fields["result_type"] == "application/json"
         assert await b.result(j.id) == b"answer"
@@ -139,8 +141,8 @@ def test_cancel_queued_is_never_taken_and_cancel_running_tells_the_runner(make):
         assert verdict == "cancelling" and fields["state"] == "running" and fields["cancel"] == "1"
         await asyncio.wait_for(told.wait(), 5)
         assert heard == [running.id]
-        assert await b.renew(LABEL, [d]) == {running.id}  # the fallback sees it too
-        assert await b.finish(d, Outcome("cancelled", error=error_doc("cancelled", "stopped")))
+        assert await b.renew(LABEL, [d]) == {running.id: "cancel"}  # the fallback sees it too
+        assert await b.finish(d, Outcome("cancelled", error=error_doc("cancelled", "stopped"))) == "ok"
         assert (await b.cancel(running.id))[0] == "cancelled"
     run(make, scenario)
 
@@ -153,7 +155,7 @@ def test_failed_attempts_are_retried_then_dead_lettered_with_the_last_error(make
         for attempt in (1, 2, 3):
             d = await take_one(b)
             assert d.attempt == attempt
-            verdict = await b.requeue(d, error_doc("boom", f"run {attempt}", 500), counted=True)
+            verdict = await b.requeue(d, error_doc("boom", f"run {attempt}", 500), charged=True)
             assert verdict == ("requeued" if attempt < 3 else "dead")
         fields = await b.get(j.id)
         assert fields["state"] == "failed" and '"run 3"' in fields["error"]
@@ -168,12 +170,14 @@ def test_a_job_handed_back_keeps_its_attempts_and_a_stale_hand_back_is_ignored(m
         j = job()
         await b.submit(j, LABEL)
         d = await take_one(b)
-        assert await b.requeue(d, None, counted=False) == "requeued"  # backpressure or shutdown
+        assert await b.requeue(d, None, charged=False) == "requeued"  # backpressure or shutdown
         d2 = await take_one(b)
         assert d2.attempt == 1
-        assert await b.requeue(d, error_doc("late", "stale"), counted=True) == "done"  # the old delivery
+        assert await b.requeue(d, error_doc("late", "stale"), charged=True) == "lost"  # the old delivery's lease
         assert (await b.get(j.id))["state"] == "running"
-        assert await b.finish(d2, Outcome("succeeded", b"ok", "text/plain", 200))
+        assert await b.finish(d, Outcome("succeeded", b"stale", "text/plain", 200)) == "lost"
+        assert await b.finish(d2, Outcome("succeeded", b"ok", "text/plain", 200)) == "ok"
+        assert await b.result(j.id) == b"ok"
     run(make, scenario)
 
 
@@ -182,7 +186,10 @@ redis_only = pytest.mark.parametrize("make", ["redis"], indirect=True)
 
 
 @redis_only
-def test_a_job_whose_unit_stops_renewing_is_taken_over_and_a_late_finish_wins_once(make):
+def test_a_job_whose_unit_stalls_is_taken_over_and_the_stalled_run_can_no_longer_write(make):
+    """Fencing: the first unit keeps its lease while it renews it; once it stalls past the
+    visibility timeout another unit takes the job with a new lease, and the stalled run's
+    renew, finish and hand-back are all refused. The record names the run that wrote."""
     async def scenario():
         a = await make("unit-a", visibility_timeout_s=0.6)
         b = await make("unit-b", visibility_timeout_s=0.6)
@@ -191,38 +198,52 @@ def test_a_job_whose_unit_stops_renewing_is_taken_over_and_a_late_finish_wins_on
         da = await take_one(a)
         t0 = time.monotonic()
         while time.monotonic() - t0 < 1.5:  # a keeps its lease alive past the visibility timeout
-            assert await a.renew(LABEL, [da]) == set()
+            assert await a.renew(LABEL, [da]) == {j.id: "ok"}
             assert await b.take(LABEL, 1, 0.1) == []
             await asyncio.sleep(0.1)
-        await asyncio.sleep(0.8)  # a is gone: no renewal for over the visibility timeout
+        await asyncio.sleep(0.8)  # a stalls: no renewal for over the visibility timeout
         db = await take_one(b, block_s=3)
-        assert db.job_id == j.id and db.attempt == 2
+        assert db.job_id == j.id and db.runs == 2 and db.lease != da.lease
+        assert db.attempt == 1 and db.isolate  # a lost run that was not alone is charged to nobody: it runs alone
         fields = await b.get(j.id)
         assert fields["node"] == "unit-b" and '"unit_lost"' in fields["last_error"]
-        assert await a.finish(da, Outcome("succeeded", b"from-a", "text/plain", 200))  # the late first finish
-        assert not await b.finish(db, Outcome("succeeded", b"from-b", "text/plain", 200))
-        assert await a.result(j.id) == b"from-a"
+        assert await a.renew(LABEL, [da]) == {j.id: "lost"}
+        assert await a.finish(da, Outcome("succeeded", b"from-a", "text/plain", 200)) == "lost"
+        assert await a.requeue(da, error_doc("late", "x"), charged=True) == "lost"
+        assert (await b.get(j.id))["state"] == "running"
+        assert await b.finish(db, Outcome("succeeded", b"from-b", "text/plain", 200)) == "ok"
+        assert await a.result(j.id) == b"from-b"
+        fields = await a.get(j.id)
+        assert (fields["node"], fields["attempts"], fields["runs"]) == ("unit-b", "1", "2")
+        assert fields["consumer"] == b.consumer
         stats = (await b.stream_stats([LABEL]))[0]
         assert (stats["lag"], stats["pending"]) == (0, 0)
     run(make, scenario)
 
 
 @redis_only
-def test_a_job_that_keeps_killing_its_units_is_dead_lettered(make):
+def test_a_job_that_keeps_killing_its_units_running_alone_is_dead_lettered(make):
+    """Losing a unit is charged to a job only when it ran alone (marked solo): the first loss
+    (among others) costs nothing but isolates it; each solo loss is an attempt."""
     async def scenario():
         j = job()
         first = await make("u0", visibility_timeout_s=0.5, max_attempts=2)
         await first.submit(j, LABEL)
         await take_one(first)
-        await asyncio.sleep(0.7)
-        second = await make("u1", visibility_timeout_s=0.5, max_attempts=2)
-        assert (await take_one(second, block_s=2)).attempt == 2
-        await asyncio.sleep(0.7)
-        third = await make("u2", visibility_timeout_s=0.5, max_attempts=2)
-        assert await third.take(LABEL, 1, 1.0) == []
-        fields = await third.get(j.id)
-        assert fields["state"] == "failed" and '"unit_lost"' in fields["error"]
-        assert (await third.stream_stats([LABEL]))[0]["dead_lettered"] == 1
+        deliveries = []
+        for n in range(1, 4):
+            await asyncio.sleep(0.7)
+            unit = await make(f"u{n}", visibility_timeout_s=0.5, max_attempts=2)
+            if n == 3:
+                assert await unit.take(LABEL, 1, 1.0) == []
+                break
+            d = await take_one(unit, block_s=2)
+            deliveries.append(d)
+            assert d.isolate and await unit.mark_solo(d)
+        assert [d.attempt for d in deliveries] == [1, 2]
+        fields = await unit.get(j.id)
+        assert fields["state"] == "failed" and '"unit_lost"' in fields["error"] and fields["dead"] == "1"
+        assert (await unit.stream_stats([LABEL]))[0]["dead_lettered"] == 1
     run(make, scenario)
 
 
@@ -236,7 +257,7 @@ def test_the_group_lag_stays_readable_through_cancels_and_finishes(make, server)
             await b.submit(j, LABEL)
         await b.cancel(jobs[2].id)
         d = await take_one(b)
-        await b.finish(d, Outcome("succeeded", b"", "text/plain", 200))
+        assert await b.finish(d, Outcome("succeeded", b"", "text/plain", 200)) == "ok"
         group = redis.Redis.from_url(server.url).xinfo_groups(f"{make.prefix}:stream:{LABEL}")[0]
         assert group["lag"] == 5 and group["pending"] == 0
     run(make, scenario)

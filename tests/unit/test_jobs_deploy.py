@@ -94,6 +94,12 @@ def test_each_pool_consumes_the_stream_its_scaler_watches(deployment):
     meta = trigger["metadata"]
     assert meta["stream"] == f"{jobs.queue.prefix}:stream:{label}" and meta["consumerGroup"] == jobs.queue.group
     assert "lagCount" in meta and "pendingEntriesCount" not in meta  # pull-based units: lag is the backlog
+    # every priority level's stream is watched, the same way
+    triggers = SCALERS[deployment["metadata"]["name"]]["spec"]["triggers"]
+    streams = [t["metadata"]["stream"] for t in triggers]
+    assert streams == [f"{jobs.queue.prefix}:stream:{label}" + suffix for suffix in ("", ":high", ":low")]
+    assert all({**t["metadata"], "stream": ""} == {**meta, "stream": ""} and t["type"] == trigger["type"]
+               for t in triggers)
     # every target is a service of the same unit, on its port
     for name in jobs.targets:
         assert jobs.target(name).url == f"http://127.0.0.1:{config.services[name].port}"

@@ -10,10 +10,11 @@ import pytest
 from pydantic import ValidationError
 
 from services.jobs.broker import ModelInfo
-from services.jobs.outcome import Verdict, classify, retry_after_s
+from services.jobs.policy import RetryPolicy, Verdict, classify, retry_after_s
 from services.jobs.payload import Limits, build_body
 from services.jobs.payload import parse_envelope as parse_with_depth
-from services.jobs.records import public_view, render_result, request_digest, valid_id
+from services.jobs.records import public_view, request_digest, valid_id
+from services.jobs.results import b64_length, inline_parts
 from services.jobs.settings import JobsSettings, redact, valid_route
 from services.jobs.targets import job_routes, model_label, unit_services
 from services.runtime.errors import ApiError
@@ -39,6 +40,17 @@ def test_what_an_answer_means(status, code, verdict):
 ])
 def test_retry_after_is_read_and_clamped(header, expected):
     assert retry_after_s(header, 1.0) == expected
+
+
+def test_backoff_doubles_up_to_its_cap_with_jitter_below_it():
+    draws = iter([0.0, 0.0, 0.0, 0.0, 1.0, 0.5])
+    p = RetryPolicy(max_attempts=10, backoff_s=1.0, backoff_max_s=5.0, jitter=0.5, rng=lambda: next(draws, 0.0))
+    assert [p.backoff(n) for n in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 5.0]
+    assert p.backoff(1) == 0.5 and p.backoff(3) == 3.0  # drawn from [d * (1 - jitter), d]
+    assert p.after_run(2, charged=True).action == "retry" and p.after_run(9, charged=True).action == "dead"
+    assert p.after_run(9, charged=False) == p.after_run(9, charged=False)
+    assert p.after_run(9, charged=False).action == "retry" and p.after_run(9, charged=False).attempts == 9
+    assert RetryPolicy(backoff_s=0).backoff(3) == 0.0
 
 
 def test_model_label_reported_derived_or_overridden():
@@ -242,7 +254,33 @@ def test_public_view_and_inline_results():
     assert view["state"] == "failed" and view["attempts"] == 3 and view["progress"] == 1.0
     assert view["error"]["code"] == "kaput" and view["cancel_requested"] is True
     assert public_view({"id": "b" * 32, "state": "queued"})["progress"] == 0.0
-    assert render_result(b'{"faces": []}', "application/json", {}) == {"faces": []}
-    doc = render_result(b"\x89PNG", "image/png", {"x-seed": "7"})
-    assert doc == {"content_type": "image/png", "image": _b64(b"\x89PNG"), "seed": "7"}
-    assert render_result(b"abc", "application/octet-stream", {})["data"] == _b64(b"abc")
+
+    def inline(data: bytes, **fields) -> dict:
+        view = {"id": "c" * 32, "state": "succeeded"}
+        head, tail, encode = inline_parts(view, fields, len(data))
+        doc = json.loads(head + (base64.b64encode(data) if encode else data) + tail)
+        assert doc["id"] == "c" * 32 and b64_length(len(data)) == len(base64.b64encode(data))
+        return doc["result"]
+    assert inline(b'{"faces": []}', result_type="application/json", result_json="1") == {"faces": []}
+    assert inline(b"\x89PNG", result_type="image/png", result_headers='{"x-seed": "7"}') == \
+        {"content_type": "image/png", "image": _b64(b"\x89PNG"), "seed": "7"}
+    assert inline(b"abc", result_type="application/octet-stream")["data"] == _b64(b"abc")
+    assert inline(b'{"not": json', result_type="application/json", result_json="0")["data"] == \
+        _b64(b'{"not": json')  # a service that said JSON and sent something else
+    assert inline(b"", result_type="text/plain") == {"content_type": "text/plain", "data": ""}
+    assert json.loads(inline_parts({"id": "d" * 32}, {}, None)[0]) == {"id": "d" * 32, "result": None}
+
+
+def test_lua_scripts_take_their_keys_and_arguments_by_name_only():
+    from services.jobs.redis_scripts import SCRIPTS
+    script = SCRIPTS["SOLO"]
+    assert script.bind({"job": "P:job:x"}, {"lease": "abc"}) == (["P:job:x"], ["abc"])
+    assert script.source.startswith("#!lua flags=allow-oom\n") and "local K = {job = KEYS[1]}" in script.source
+    for keys, args in (({}, {"lease": "a"}), ({"job": "j"}, {}), ({"job": "j", "body": "b"}, {"lease": "a"}),
+                       ({"job": "j"}, {"lease": "a", "attempts": 3})):
+        with pytest.raises(ValueError):
+            script.bind(keys, args)
+    with pytest.raises(ValueError):
+        script.bind({"job": "j"}, {"lease": "a"}, extra_keys=["k"])  # not a variadic script
+    assert SCRIPTS["SUBMIT"].denies_oom and SCRIPTS["REDRIVE"].denies_oom  # they add work: a full Redis refuses them
+    assert not any(s.denies_oom for name, s in SCRIPTS.items() if name not in ("SUBMIT", "REDRIVE"))

@@ -1,0 +1,86 @@
+"""A submit's image checks read the image's header only: the base64 text is checked whole
+without being decoded, and only its first bytes are decoded (more only when a JPEG's header
+lies past big segments). The service decodes the image once, when the job runs."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from services.jobs import payload
+from services.jobs.payload import Limits, check_image_b64
+from services.runtime.errors import ApiError
+from tests.images import encode
+
+LIMITS = Limits(max_image_bytes=20 * 2**20, max_pixels=4_000_000)
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+@pytest.fixture
+def decoded(monkeypatch) -> list[int]:
+    """The length of every base64 text the check decodes."""
+    seen: list[int] = []
+    real = base64.b64decode
+
+    def spy(text, *args, **kwargs):
+        seen.append(len(text))
+        return real(text, *args, **kwargs)
+    monkeypatch.setattr(payload.base64, "b64decode", spy)
+    return seen
+
+
+def test_a_big_image_is_checked_from_its_first_bytes_only(decoded):
+    png = encode(np.zeros((64, 64, 3), np.uint8)) + b"\0" * (8 * 2**20)  # a valid header, then 8 MB
+    check_image_b64(b64(png), "image", LIMITS)
+    assert decoded and max(decoded) <= 4 * (64 * 1024) // 3 + 4
+
+
+def test_a_jpeg_whose_header_lies_past_a_big_segment_is_read_with_more_bytes(decoded):
+    jpeg = encode(np.zeros((40, 30, 3), np.uint8), "JPEG")
+    app = b"\xff\xe2" + struct.pack(">H", 65535) + b"\0" * 65533  # ICC-sized segments before the frame header
+    big = jpeg[:2] + app * 5 + jpeg[2:]
+    check_image_b64(b64(big), "image", LIMITS)
+    assert len(decoded) == 2 and decoded[-1] < len(b64(big)) + 1  # the second step: 1 MiB, not the whole
+
+
+def test_pixels_over_the_limit_are_found_from_the_header():
+    with pytest.raises(ApiError) as err:
+        check_image_b64(b64(encode(np.zeros((2100, 2000, 3), np.uint8))), "image", LIMITS)
+    assert (err.value.status, err.value.code) == (413, "too_many_pixels")
+
+
+@pytest.mark.parametrize("text,status,code", [
+    ("AAAA#", 400, "bad_base64"), ("AAA", 400, "bad_base64"), ("A" * 5, 400, "bad_base64"),
+    ("", 400, "empty_image"), ("====", 400, "bad_base64"), ("\u00e9AAA", 400, "bad_base64"),
+])
+def test_base64_that_is_not_is_refused_without_decoding_it(text, status, code):
+    with pytest.raises(ApiError) as err:
+        check_image_b64(text, "image", LIMITS)
+    assert (err.value.status, err.value.code) == (status, code)
+
+
+def test_the_size_comes_from_the_base64_length():
+    small = Limits(max_image_bytes=1000, max_pixels=10**6)
+    png = encode(np.zeros((8, 8, 3), np.uint8))
+    check_image_b64(b64(png + b"\0" * (1000 - len(png))), "image", small)
+    with pytest.raises(ApiError) as err:
+        check_image_b64(b64(png + b"\0" * (1001 - len(png))), "image", small)
+    assert err.value.code == "image_too_large" and "1001 bytes" in err.value.message
+
+
+def test_mime_wrapped_base64_and_data_urls_are_taken():
+    png = encode(np.zeros((10, 12, 3), np.uint8))
+    text = b64(png)
+    wrapped = "\r\n".join(text[i:i + 76] for i in range(0, len(text), 76)) + "\r\n"
+    check_image_b64(wrapped, "image", LIMITS)
+    check_image_b64("data:image/png;base64," + text, "image", LIMITS)
+    with Image.open(io.BytesIO(png)) as im:
+        assert im.size == (12, 10)
