@@ -260,7 +260,7 @@ class SupervisorRun:
 def remove_unit_cgroups(control_socket: str) -> None:
     """The empty cgroups a run killed with its sentinel (SIGKILL of the whole tree) leaves: a
     next run on the same socket would remove them; tests use a new socket each time."""
-    from supervisor.containment import hierarchy_base, remove_tree, unit_key
+    from supervisor.system.containment import hierarchy_base, remove_tree, unit_key
     for kind in ("cgroup2", "cgroup1"):
         found = hierarchy_base(kind)
         if found is not None:

@@ -358,4 +358,4 @@ def test_the_long_running_supervisor_imports_no_pydantic_or_typer(tmp_path):
         p = psutil.Process(run.proc.pid)
         maps = " ".join(m.path for m in p.memory_maps())
         assert "pydantic_core" not in maps
-        assert p.cmdline()[1] == "-c" and "supervisor.runner" in p.cmdline()[2]  # same pid, lean process
+        assert p.cmdline()[1] == "-c" and "supervisor.cli.supervise" in p.cmdline()[2]  # same pid, lean process

@@ -254,7 +254,7 @@ def test_gpu_facts_and_budgets_come_from_the_visible_card(tmp_path):
 
 
 def test_real_cgroup_quota_and_throttling_are_reported(tmp_path):
-    from supervisor.cpuquota import read_cpu_quota, read_cpu_stat
+    from supervisor.system.cpu_cgroup import read_cpu_quota, read_cpu_stat
     quota = read_cpu_quota()
     with SupervisorRun(tmp_path, {"a": fake_service()}) as run:
         run.wait_ready()

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from supervisor.config import ConfigError, load_config, parse_value
+from supervisor.config.errors import ConfigError
+from supervisor.config.loading import load_config, parse_value
 from tests.harness import ROOT
 
 BASE = """
@@ -142,8 +143,9 @@ def test_service_settings_are_checked_before_anything_starts(tmp_path):
 
 
 def test_supervisor_imports_no_ml_library():
-    code = ("import sys; import supervisor.cli, supervisor.unit, supervisor.config, supervisor.status; "
-            "from supervisor.config import load_config; load_config('configs/default.toml'); "
+    code = ("import sys; import supervisor.cli.commands, supervisor.driver.supervisor, supervisor.config.loading, "
+            "supervisor.cli.status; "
+            "from supervisor.config.loading import load_config; load_config('configs/default.toml'); "
             "bad = [m for m in ('torch', 'onnxruntime', 'cv2', 'diffusers', 'insightface', 'numpy') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -156,14 +158,14 @@ def test_env_override_keeps_the_case_of_a_variable_name_under_env(tmp_path):
                                   "ONECARD_SERVICES__DETECT__SETTINGS__MAX_QUEUE": "4"})
     assert cfg.services["detect"].env == {"HF_HOME": "/models/hf"}
     assert cfg.services["detect"].settings == {"max_queue": 4}  # schema keys are lower case
-    from supervisor.cpuquota import CpuQuota
-    from supervisor.plan import build_plan
+    from supervisor.policy.plan import CpuQuota
+    from supervisor.policy.plan import build_plan
     plan = build_plan(cfg, CpuQuota(4, "affinity", 4, None, None), {})
     assert plan.services[0].env["HF_HOME"] == "/models/hf" and "hf_home" not in plan.services[0].env
 
 
 def test_drain_is_nested_below_grace(tmp_path):
-    from supervisor.config import drain_of, termination_grace_min
+    from supervisor.config.derived import drain_of, termination_grace_min
     cfg = load_config(write(tmp_path, BASE), environ={})
     assert drain_of(cfg, "detect") == 3.0 and cfg.supervisor.grace_s == 5  # 5 - min(2, 2.5)
     assert termination_grace_min(cfg) > cfg.supervisor.grace_s > drain_of(cfg, "detect")
@@ -213,12 +215,12 @@ def test_byte_budgets_are_judged_against_the_visible_card(tmp_path):
 
 def test_the_packaged_default_is_configs_default():
     import tomllib
-    from supervisor.configpath import PACKAGED_DEFAULT
+    from supervisor.config.location import PACKAGED_DEFAULT
     assert tomllib.loads(PACKAGED_DEFAULT.read_text()) == tomllib.loads((ROOT / "configs" / "default.toml").read_text())
 
 
 def test_config_resolution_is_the_same_for_every_command_and_independent_of_cwd(tmp_path):
-    from supervisor.configpath import PACKAGED_DEFAULT, resolve
+    from supervisor.config.location import PACKAGED_DEFAULT, resolve
     assert resolve("x.toml", {"ONECARD_CONFIG": "/e.toml"}).path == "x.toml"
     assert resolve(None, {"ONECARD_CONFIG": "/e.toml"}).origin == "ONECARD_CONFIG"
     assert resolve(None, {}).path == str(PACKAGED_DEFAULT)
@@ -260,7 +262,7 @@ def test_version():
 
 
 def test_redaction_rules():
-    from supervisor.redact import redact_argv, redact_env
+    from supervisor.config.redact import redact_argv, redact_env
     assert redact_env({"API_KEY": "a", "PATH": "/bin", "ONECARD_SERVICE_CONFIG": '{"api_key": "k", "n": 1}'}) == {
         "API_KEY": "<redacted>", "PATH": "/bin", "ONECARD_SERVICE_CONFIG": '{"api_key": "<redacted>", "n": 1}'}
     assert redact_argv(["serve", "--api-key", "k1", "--token=k2", "--url=http://a:b@h/"]) == [

@@ -9,8 +9,8 @@ import os
 import subprocess
 import sys
 
-from supervisor.config import (UNIX_PATH_MAX, drain_of, load_config, probe_socket_of, run_dir_of,
-                               termination_grace_min)
+from supervisor.config.derived import UNIX_PATH_MAX, drain_of, probe_socket_of, run_dir_of, termination_grace_min
+from supervisor.config.loading import load_config
 from tests.harness import ROOT
 from tests.unit.test_config import BASE, error_of, write
 
@@ -189,7 +189,7 @@ def test_the_file_is_read_as_utf_8_whatever_the_locale(tmp_path):
     assert load_config(p, environ={}).services["detect"].env["GREETING"] == "café"
     env = {"PATH": os.environ.get("PATH", ""), "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0",
            "PYTHONPATH": str(ROOT), **{k: v for k, v in os.environ.items() if k.startswith("MUTANT")}}
-    code = ("import locale, sys; from supervisor.config import load_config\n"
+    code = ("import locale, sys; from supervisor.config.loading import load_config\n"
             "assert locale.getpreferredencoding(False).lower() in ('ansi_x3.4-1968', 'ascii'), "
             "locale.getpreferredencoding(False)\n"
             f"print(load_config({str(p)!r}, environ={{}}).services['detect'].env['GREETING'] == 'caf\\xe9')")

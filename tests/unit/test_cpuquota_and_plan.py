@@ -4,9 +4,11 @@ import json
 
 import pytest
 
-from supervisor.config import Config, ConfigError
-from supervisor.cpuquota import CpuQuota, read_cpu_quota
-from supervisor.plan import build_plan, plan_threads
+from supervisor.config.errors import ConfigError
+from supervisor.config.schema import Config
+from supervisor.policy.plan import CpuQuota
+from supervisor.system.cpu_cgroup import read_cpu_quota
+from supervisor.policy.plan import build_plan, plan_threads
 
 
 def v2_tree(tmp_path, cpu_max: str | None, rel: str = ""):
@@ -120,7 +122,7 @@ def test_every_service_learns_where_the_units_app_services_listen():
 
 
 def test_each_service_gets_a_host_memory_budget_from_the_units_limit():
-    from supervisor.plan import plan_memory
+    from supervisor.policy.plan import plan_memory
     gib = 2**30
     cfg = Config.model_validate({"services": {
         "big": {"app": "m:f", "port": 9001, "memory_fraction": 0.5},
@@ -136,7 +138,7 @@ def test_each_service_gets_a_host_memory_budget_from_the_units_limit():
 
 
 def test_memory_shares_over_the_units_are_a_config_problem():
-    from supervisor.config import semantic_problems
+    from supervisor.config.validation import semantic_problems
     cfg = Config.model_validate({"services": {
         "a": {"app": "m:f", "port": 9001, "memory_fraction": 0.6},
         "b": {"app": "m:f", "port": 9002, "memory_fraction": 0.5}}})

@@ -9,10 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from supervisor.config import Config, ConfigError, load_config
-from supervisor.cpuquota import CpuQuota, CpuStat, ThrottleWindow, read_cpu_stat
-from supervisor.gpu import GpuFacts
-from supervisor.plan import build_plan
+from supervisor.config.errors import ConfigError
+from supervisor.config.loading import load_config
+from supervisor.config.schema import Config
+from supervisor.policy.plan import CpuQuota
+from supervisor.system.cpu_cgroup import CpuStat, ThrottleWindow, read_cpu_stat
+from supervisor.system.nvml import GpuFacts
+from supervisor.policy.plan import build_plan
 
 
 class FakeNvml:
@@ -63,8 +66,8 @@ def test_no_nvml_is_a_reason_not_a_traceback():
 
 
 def test_report_falls_back_to_what_the_service_reports():
-    from supervisor.child import ChildProcess
-    from supervisor.report import _gpu_memory
+    from supervisor.driver.child import ChildProcess
+    from supervisor.driver.report import _gpu_memory
     plan = SimpleNamespace(name="img2img")
     child = ChildProcess(plan)  # type: ignore[arg-type]
     assert _gpu_memory(child, {"per_service_bytes": {}}) == (None, None)
@@ -140,7 +143,7 @@ def test_service_side_budget_from_the_plan(monkeypatch):
 
 
 def test_cpu_account_never_goes_back():
-    from supervisor.sampler import CpuAccount
+    from supervisor.driver.sampler import CpuAccount
     acc = CpuAccount()
     root, worker, helper = (10, 1.0), (11, 1.0), (12, 1.0)
     assert acc.update({root: 1.0, worker: 2.0}, {root: 1, worker: 10}) == 3.0
@@ -160,7 +163,7 @@ def test_cpu_account_never_goes_back():
 
 
 def test_sampler_percent_is_never_negative():
-    from supervisor.sampler import Sampler
+    from supervisor.driver.sampler import Sampler
     s = Sampler(period_s=1)
     assert s._percent("k", 5.0, 0.0) is None
     assert s._percent("k", 4.0, 1.0) == 0.0

@@ -9,8 +9,8 @@ import sys
 import pytest
 import typer
 
-from supervisor import quickcli
-from supervisor.cli import app
+from supervisor.cli import quick as quickcli
+from supervisor.cli.commands import app
 from tests.harness import ROOT
 
 
