@@ -57,10 +57,11 @@ class Script:
         return answer
 
 
-def make(tmp_path, names=("a", "b"), stubborn=(), port_problem=None, **sup):
+def make(tmp_path, names=("a", "b"), stubborn=(), port_problem=None, gpu=None, **sup):
     cfg = Config.model_validate({
         "supervisor": {"grace_s": 2.0, "health_port": 0, "control_socket": str(tmp_path / "s" / "c.sock"),
                        "liveness_period_s": 1.0, "readiness_period_s": 0.1, "startup_timeout_s": 30, **sup},
+        "gpu": gpu or {},
         "services": {n: {"app": "m:f", "port": 9000 + i, "threads": 1} for i, n in enumerate(names)},
     })
     plan = build_plan(cfg, CpuQuota(4, "affinity", 4, None, None), {})

@@ -5,6 +5,7 @@ twins: tests/integration/test_lifecycle.py, test_faults.py, test_control.py."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 
 import pytest
@@ -156,3 +157,31 @@ def test_every_anonymous_answer_is_checked_not_only_the_first():
     first, second = asyncio.run(twice())
     assert first.ok and not second.ok and second.foreign
     assert "no process of the service's tree listens on port 9000" in second.error
+
+
+def test_a_liveness_verdict_is_the_cause_before_a_death_queued_behind_it(tmp_path):
+    """A handler's verdict is applied at once, not queued behind what already waits."""
+    from supervisor.driver.service_watch import WatchRoundAnswered
+    s, fake, clock, script, out = make(tmp_path, liveness_failures=1)
+    missed, ok = ProbeResult(None, error="no answer within 1 s"), ProbeResult(200, b"{}")
+
+    def verdict_then_death():
+        s.port.post(WatchRoundAnswered(s.children[0], missed, ok, ok))
+        fake.die("a", 5 << 8)
+
+    assert history(s, clock, [0.5, verdict_then_death]) == 4
+    assert s.unit.reason.startswith("a failed 1 liveness probes in a row")
+
+
+def test_a_death_due_when_the_startup_deadline_fires_is_the_cause(tmp_path):
+    """A frozen supervisor resumes with an exit and the deadline both due: the exit is reaped first."""
+    s, fake, clock, script, out = make(tmp_path, startup_timeout_s=1)
+    script.set("a", "/readyz", 503)
+
+    def dies_unseen():  # the exit is there to reap; its SIGCHLD is not handled yet
+        pid = fake.by_name["a"]
+        fake.exits.append((pid, 5 << 8))
+        os.close(fake.write_ends.pop(pid))
+
+    assert history(s, clock, [0.5, dies_unseen, 1.0]) == 5
+    assert "not ready after" not in text(out)

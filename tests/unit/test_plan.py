@@ -1,3 +1,6 @@
+"""The plan (supervisor/policy/plan.py): threads from the CPU quota, each service's
+environment, host memory and GPU budgets, MPS; and the config rules about budgets."""
+
 from __future__ import annotations
 
 import json
@@ -5,69 +8,9 @@ import json
 import pytest
 
 from supervisor.config.errors import ConfigError
+from supervisor.config.loading import load_config
 from supervisor.config.schema import Config
-from supervisor.policy.plan import CpuQuota
-from supervisor.system.cpu_cgroup import read_cpu_quota
-from supervisor.policy.plan import build_plan, plan_threads
-
-
-def v2_tree(tmp_path, cpu_max: str | None, rel: str = ""):
-    root = tmp_path / "cg2"
-    root.mkdir()
-    (root / "cgroup.controllers").write_text("cpu io memory\n")
-    leaf = root / rel if rel else root
-    leaf.mkdir(parents=True, exist_ok=True)
-    if cpu_max is not None:
-        (leaf / "cpu.max").write_text(cpu_max + "\n")
-    return root
-
-
-def test_v2_fractional_quota(tmp_path):
-    root = v2_tree(tmp_path, "150000 100000")
-    q = read_cpu_quota(root, proc_self_cgroup="0::/\n", affinity=64)
-    assert q.cpus == 1.5 and q.source == "cgroup2" and q.quota == 1.5 and q.whole_cpus == 1
-
-
-def test_v2_unlimited_falls_back_to_affinity(tmp_path):
-    root = v2_tree(tmp_path, "max 100000")
-    q = read_cpu_quota(root, proc_self_cgroup="0::/\n", affinity=8)
-    assert q.cpus == 8 and q.quota is None
-
-
-def test_v2_nested_cgroup_takes_the_tightest_ancestor(tmp_path):
-    root = v2_tree(tmp_path, "400000 100000", rel="kubepods/pod1")
-    (root / "kubepods" / "cpu.max").write_text("200000 100000\n")
-    q = read_cpu_quota(root, proc_self_cgroup="0::/kubepods/pod1\n", affinity=16)
-    assert q.cpus == 2.0
-    assert q.cgroup_dir == str(root / "kubepods" / "pod1")
-
-
-def test_v1_quota(tmp_path):
-    d = tmp_path / "cg1" / "cpu,cpuacct"
-    d.mkdir(parents=True)
-    (d / "cpu.cfs_quota_us").write_text("350000\n")
-    (d / "cpu.cfs_period_us").write_text("100000\n")
-    q = read_cpu_quota(tmp_path / "cg1", proc_self_cgroup="", affinity=32)
-    assert q.cpus == 3.5 and q.source == "cgroup1" and q.whole_cpus == 3
-
-
-def test_v1_unlimited(tmp_path):
-    d = tmp_path / "cg1" / "cpu"
-    d.mkdir(parents=True)
-    (d / "cpu.cfs_quota_us").write_text("-1\n")
-    (d / "cpu.cfs_period_us").write_text("100000\n")
-    q = read_cpu_quota(tmp_path / "cg1", proc_self_cgroup="", affinity=4)
-    assert q.cpus == 4 and q.quota is None
-
-
-def test_no_cgroup_at_all(tmp_path):
-    q = read_cpu_quota(tmp_path / "absent", proc_self_cgroup="", affinity=3)
-    assert q == CpuQuota(3.0, "affinity", 3, None, None)
-
-
-def test_affinity_below_quota_wins(tmp_path):
-    root = v2_tree(tmp_path, "800000 100000")
-    assert read_cpu_quota(root, proc_self_cgroup="0::/\n", affinity=2).cpus == 2
+from supervisor.policy.plan import CpuQuota, build_plan, plan_threads
 
 
 def _config(**threads):
@@ -146,3 +89,42 @@ def test_memory_shares_over_the_units_are_a_config_problem():
     with pytest.raises(ValueError):
         Config.model_validate({"services": {"a": {"app": "m:f", "port": 9001, "memory_fraction": 0.5,
                                                   "memory_bytes": 10}}})
+
+
+def _cfg(**services):
+    return Config.model_validate({"supervisor": {"control_socket": "/run/onecard/c.sock"},
+                                  "services": {n: {"app": "m:f", "port": 9000 + i, **v}
+                                               for i, (n, v) in enumerate(services.items())}})
+
+
+def test_budgets_over_the_card_are_a_config_error(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('[services.a]\napp = "m:f"\nport = 9000\ngpu_memory_fraction = 0.6\n'
+                 '[services.b]\napp = "m:f"\nport = 9001\ngpu_memory_fraction = 0.5\n')
+    with pytest.raises(ConfigError, match=r"budgets add up to 1.10 of the card \(a 0.60, b 0.50\)"):
+        load_config(p, environ={})
+    p.write_text('[services.a]\napp = "m:f"\nport = 9000\ngpu_memory_fraction = 0.6\n'
+                 '[services.b]\napp = "m:f"\nport = 9001\ngpu_memory_bytes = 4294967296\n')
+    load_config(p, environ={})  # bytes cannot be judged without the card
+    with pytest.raises(ConfigError, match="budgets add up to 1.10"):
+        load_config(p, environ={}, gpu_total_bytes=int(4294967296 / 0.5))
+
+
+def test_plan_passes_budgets_and_mps_to_children():
+    cfg = _cfg(a={"gpu_memory_fraction": 0.25, "mps_thread_percentage": 40}, b={"gpu_memory_bytes": 1000})
+    cfg.gpu.mps = True
+    plan = build_plan(cfg, CpuQuota(4, "affinity", 4, None, None), {})
+    a, b = plan.services
+    assert plan.mps_dir == "/run/onecard/c.sock.d/mps"  # inside the supervisor's private run dir
+    assert a.env["ONECARD_GPU_MEMORY_FRACTION"] == "0.25" and b.env["ONECARD_GPU_MEMORY_BYTES"] == "1000"
+    assert a.env["CUDA_MPS_PIPE_DIRECTORY"] == b.env["CUDA_MPS_PIPE_DIRECTORY"] == "/run/onecard/c.sock.d/mps/pipe"
+    assert a.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40" and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in b.env
+
+
+def test_service_side_budget_from_the_plan(monkeypatch):
+    from services.runtime.gpu import budget_bytes
+    monkeypatch.delenv("ONECARD_GPU_MEMORY_BYTES", raising=False)
+    monkeypatch.setenv("ONECARD_GPU_MEMORY_FRACTION", "0.25")
+    assert budget_bytes(total=8000) == 2000
+    monkeypatch.setenv("ONECARD_GPU_MEMORY_BYTES", "1234")
+    assert budget_bytes(total=8000) == 1234
