@@ -355,8 +355,11 @@ def test_a_foreign_answer_on_the_port_is_never_taken_for_our_service(tmp_path):
     with SupervisorRun(tmp_path, {"quiet": sleeper}, startup_timeout_s=30.0) as run:
         run.wait_for("the service to start", lambda: "quiet: started pid" in run.output())
         with ForeignServer(port):
-            err = run.wait_for("a foreign answer to be refused", lambda: (run.service("quiet")["last_probe_error"] or "")
-                               if "another process" in (run.service("quiet")["last_probe_error"] or "") else None)
+            def refused():
+                error = run.service("quiet")["last_probe_error"] or ""
+                return error if "another process" in error else None
+
+            err = run.wait_for("a foreign answer to be refused", refused)
             assert f"/readyz on 127.0.0.1:{port} was answered by another process, not quiet" in err
             assert f"no process of the service's tree listens on port {port}" in err
             doc = run.status_doc()
@@ -368,9 +371,9 @@ def test_a_foreign_answer_on_the_port_is_never_taken_for_our_service(tmp_path):
 
 def _uvicorn_command(port: int, **settings) -> dict:
     """fake_app run by uvicorn directly: a `command` service, probed over TCP."""
-    code = ("import json, sys, uvicorn; sys.path.insert(0, %r); from tests.children.fake_app import create_app; "
-            "uvicorn.run(create_app(json.loads(sys.argv[1])), host='127.0.0.1', port=%d, log_level='warning')"
-            % (str(ROOT), port))
+    code = (f"import json, sys, uvicorn; sys.path.insert(0, {str(ROOT)!r}); "
+            "from tests.children.fake_app import create_app; "
+            f"uvicorn.run(create_app(json.loads(sys.argv[1])), host='127.0.0.1', port={port}, log_level='warning')")
     return {"command": [sys.executable, "-c", code, json.dumps(settings)], "port": port}
 
 

@@ -146,7 +146,8 @@ def test_supervisor_imports_no_ml_library():
     code = ("import sys; import supervisor.cli.commands, supervisor.driver.supervisor, supervisor.config.loading, "
             "supervisor.cli.status; "
             "from supervisor.config.loading import load_config; load_config('configs/default.toml'); "
-            "bad = [m for m in ('torch', 'onnxruntime', 'cv2', 'diffusers', 'insightface', 'numpy') if m in sys.modules]; "
+            "bad = [m for m in ('torch', 'onnxruntime', 'cv2', 'diffusers', 'insightface', 'numpy') "
+            "if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -158,8 +159,7 @@ def test_env_override_keeps_the_case_of_a_variable_name_under_env(tmp_path):
                                   "ONECARD_SERVICES__DETECT__SETTINGS__MAX_QUEUE": "4"})
     assert cfg.services["detect"].env == {"HF_HOME": "/models/hf"}
     assert cfg.services["detect"].settings == {"max_queue": 4}  # schema keys are lower case
-    from supervisor.policy.plan import CpuQuota
-    from supervisor.policy.plan import build_plan
+    from supervisor.policy.plan import CpuQuota, build_plan
     plan = build_plan(cfg, CpuQuota(4, "affinity", 4, None, None), {})
     assert plan.services[0].env["HF_HOME"] == "/models/hf" and "hf_home" not in plan.services[0].env
 
@@ -215,6 +215,7 @@ def test_byte_budgets_are_judged_against_the_visible_card(tmp_path):
 
 def test_the_packaged_default_is_configs_default():
     import tomllib
+
     from supervisor.config.location import PACKAGED_DEFAULT
     assert tomllib.loads(PACKAGED_DEFAULT.read_text()) == tomllib.loads((ROOT / "configs" / "default.toml").read_text())
 
