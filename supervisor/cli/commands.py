@@ -96,24 +96,24 @@ def check(
     from supervisor.config.derived import termination_grace_min
     from supervisor.config.redact import redact_argv, redact_env
     path, cfg, plan = _load(config, list(set_))
-    s = cfg.supervisor
-    q = plan.quota
+    settings = cfg.supervisor
+    quota = plan.quota
     drains = sorted({sp.drain_s for sp in plan.services})
     out = [f"config  {path}: valid",
-           f"supervisor  grace {s.grace_s:g} s, start-up timeout {s.startup_timeout_s:g} s, "
-           f"liveness every {s.liveness_period_s:g} s ({s.liveness_failures} misses = dead)",
-           f"stop  service drain {'/'.join(f'{d:g}' for d in drains)} s < supervisor grace {s.grace_s:g} s "
+           f"supervisor  grace {settings.grace_s:g} s, start-up timeout {settings.startup_timeout_s:g} s, "
+           f"liveness every {settings.liveness_period_s:g} s ({settings.liveness_failures} misses = dead)",
+           f"stop  service drain {'/'.join(f'{d:g}' for d in drains)} s < supervisor grace {settings.grace_s:g} s "
            f"< orchestrator: terminationGracePeriodSeconds (docker stop --time) at least "
            f"{termination_grace_min(cfg):g} s",
-           f"probes  http://{s.health_host or '*'}:{s.health_port}/healthz /readyz /metrics"
-           + (" (every interface, IPv4 and IPv6)" if not s.health_host else "")
-           if s.health_port else "probes  disabled (health_port = 0)",
-           f"control  {s.control_socket} (run directory {plan.run_dir})",
+           f"probes  http://{settings.health_host or '*'}:{settings.health_port}/healthz /readyz /metrics"
+           + (" (every interface, IPv4 and IPv6)" if not settings.health_host else "")
+           if settings.health_port else "probes  disabled (health_port = 0)",
+           f"control  {settings.control_socket} (run directory {plan.run_dir})",
            f"gpu  CUDA_VISIBLE_DEVICES={cfg.gpu.visible_devices}, MPS "
            + (f"on (pipe and log under {plan.mps_dir})" if plan.mps_dir else "off"),
            "gpu  " + _gpu_line(cfg.gpu.visible_devices),
-           f"cpu  {q.cpus:g} usable CPUs ({q.source}; affinity {q.affinity}, "
-           f"quota {'none' if q.quota is None else f'{q.quota:g}'})"]
+           f"cpu  {quota.cpus:g} usable CPUs ({quota.source}; affinity {quota.affinity}, "
+           f"quota {'none' if quota.quota is None else f'{quota.quota:g}'})"]
     for sp in plan.services:
         svc = cfg.services[sp.name]
         budget = (f"{svc.gpu_memory_fraction:g} of the card" if svc.gpu_memory_fraction is not None else

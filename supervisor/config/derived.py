@@ -41,10 +41,10 @@ def drain_of(config: Config, name: str | None = None) -> float:
     svc = config.services.get(name)  # None (no name) is no service's name
     if svc is not None and svc.drain_s is not None:
         return svc.drain_s
-    s = config.supervisor
-    if s.drain_s is not None:
-        return s.drain_s
-    return s.grace_s - min(DRAIN_MARGIN_S, s.grace_s / 2)
+    settings = config.supervisor
+    if settings.drain_s is not None:
+        return settings.drain_s
+    return settings.grace_s - min(DRAIN_MARGIN_S, settings.grace_s / 2)
 
 
 def termination_grace_min(config: Config) -> float:

@@ -99,21 +99,21 @@ class Descendants:
             self.port.start_task(self._signal(targets, sig))
 
     async def _signal(self, targets: list[ChildProcess], sig: int) -> None:
-        c = self.containment
+        containment = self.containment
         for child in targets:
             # a reaped main's pid may already belong to someone else: never walk from it
             root = child.pid if child.alive else None
             if sig != signal.SIGKILL:
-                await asyncio.to_thread(c.send, child.name, root, sig, child.pid)
+                await asyncio.to_thread(containment.send, child.name, root, sig, child.pid)
                 continue
             if child.state == ChildState.LINGERING:
-                left = await asyncio.to_thread(c.members, child.name, None)
+                left = await asyncio.to_thread(containment.members, child.name, None)
                 if left:
                     self.killed_left += len(left)
                     child.killed = True
                     self.port.log.warning(f"{child.name}: {len(left)} process(es) it started still running "
                                           f"after SIGTERM ({_pids(left)}); SIGKILL")
-            await asyncio.to_thread(c.kill, child.name, root)
+            await asyncio.to_thread(containment.kill, child.name, root)
 
     def on_exit(self, child: ChildProcess) -> None:
         """Its main process was reaped: gone once nothing it started is left."""
@@ -192,19 +192,19 @@ class Descendants:
         return survivors
 
     def _collect(self, helpers: set[int]) -> set[int]:
-        port, c = self.port, self.containment
+        port, containment = self.port, self.containment
         left = port.system.own_children() - helpers
-        if c is not None:
+        if containment is not None:
             for child in port.children:  # every main is reaped by now: walk from none
                 if child.rules.contained and child.pid is not None:
-                    left |= c.members(child.name, None)
+                    left |= containment.members(child.name, None)
         return left
 
     def _sweep(self) -> set[int]:
         """In a worker thread. Normally finds nothing: each service counted as gone only
         once empty. What it finds (an orphan that dropped the marker, say) gets SIGTERM,
         then SIGKILL after SWEEP_TERM_S (counted: work was lost)."""
-        port, c = self.port, self.containment
+        port, containment = self.port, self.containment
         helpers = {self.sentinel_pid} if self.sentinel_pid else set()
         left = self._collect(helpers)
         if not left:
@@ -222,8 +222,8 @@ class Descendants:
         deadline = time.monotonic() + SWEEP_WAIT_S
         while left and time.monotonic() < deadline:
             for child in port.children:
-                if c is not None and child.rules.contained and child.pid is not None:
-                    c.kill(child.name, None)
+                if containment is not None and child.rules.contained and child.pid is not None:
+                    containment.kill(child.name, None)
             for pid in left:
                 port.system.kill(pid, signal.SIGKILL)
             time.sleep(0.02)

@@ -52,14 +52,12 @@ class Endpoints:
 
     async def open(self) -> int | None:
         """None when both are open, else the exit code (nothing was started)."""
-        port, s = self.port, self.port.settings
-        self.control = ControlServer(s.control_socket, self._control_command, s.control_max_clients,
-                                     s.control_idle_timeout_s)
-        if s.health_port:
-            self.probe_port = ProbePortServer(s.health_host, s.health_port, {
+        port, settings = self.port, self.port.settings
+        self.control = ControlServer(settings, self._control_command)
+        if settings.health_port:
+            self.probe_port = ProbePortServer(settings, {
                 "/healthz": self._route_healthz, "/readyz": self._route_readyz, "/metrics": self._route_metrics,
-            }, on_refused=self._probe_refused, max_clients=s.health_max_clients,
-                idle_timeout_s=s.health_idle_timeout_s)
+            }, on_refused=self._probe_refused)
         try:
             await asyncio.to_thread(prepare_run_dir, self.run_dir)
             await self.control.start()
@@ -122,10 +120,10 @@ class Endpoints:
         return http1.json_answer(200, {"status": "ok"})
 
     def _route_readyz(self) -> http1.Answer:
-        v = self.view(None)
-        if report.all_ready(v):
+        view = self.view(None)
+        if report.all_ready(view):
             return http1.json_answer(200, {"ready": True})
-        return http1.json_answer(503, {"ready": False, "not_ready": report.not_ready(v)})
+        return http1.json_answer(503, {"ready": False, "not_ready": report.not_ready(view)})
 
     def _route_metrics(self) -> http1.Answer:
         return http1.Answer(200, METRICS_TYPE, report.metrics_text(self.view(None)).encode())

@@ -98,34 +98,34 @@ class MpsChild:
         self.port.post(UnitFailed(EXIT_MPS_FAILED, f"MPS control daemon did not start: {reason}"))
 
     async def _start(self) -> bool:
-        d, port = self.control, self.port
-        problem = d.problem()
+        control, port = self.control, self.port
+        problem = control.problem()
         if problem:
             raise MpsError(problem)
-        await asyncio.to_thread(d.prepare)
-        state = await asyncio.to_thread(d.control_state)
+        await asyncio.to_thread(control.prepare)
+        state = await asyncio.to_thread(control.control_state)
         if state == "live":
-            port.log.info(f"MPS: a daemon from an earlier run holds {d.pipe_dir}; asking it to quit")
+            port.log.info(f"MPS: a daemon from an earlier run holds {control.pipe_dir}; asking it to quit")
             await self.oneshot([], "quit\n", 5.0)
-            await asyncio.to_thread(d.wait_gone, 5.0)
+            await asyncio.to_thread(control.wait_gone, 5.0)
         if state != "absent":
-            await asyncio.to_thread(d.remove_leftovers)
+            await asyncio.to_thread(control.remove_leftovers)
         if port.stopping:
             return False
         self.child.fire(ChildEvent.STARTED)
         self.child.started_at = port.clock.now()
-        code, out = await self.oneshot(["-d"], None, d.start_timeout_s)
+        code, out = await self.oneshot(["-d"], None, control.start_timeout_s)
         if code != 0:
             said = " ".join(line.strip() for line in out).strip()[:500]
             raise MpsError(f"{BINARY} -d failed with code {code}: {said}" if code is not None
-                           else f"{BINARY} -d did not return within {d.start_timeout_s:g} s")
-        pid, up = await asyncio.to_thread(d.wait_daemon, port.system.getpid(), self.reaper.oneshot_pids(),
-                                          d.start_timeout_s)
+                           else f"{BINARY} -d did not return within {control.start_timeout_s:g} s")
+        pid, up = await asyncio.to_thread(control.wait_daemon, port.system.getpid(), self.reaper.oneshot_pids(),
+                                          control.start_timeout_s)
         if pid is not None:
             port.post(MpsAdopted(pid))
         if not up:
-            raise MpsError(f"MPS daemon did not create {d.control} within {d.start_timeout_s:g} s; "
-                           f"see {d.log_dir}/control.log" + ("" if pid is not None else
+            raise MpsError(f"MPS daemon did not create {control.control} within {control.start_timeout_s:g} s; "
+                           f"see {control.log_dir}/control.log" + ("" if pid is not None else
                                                              " (no daemon process became our child)"))
         port.post(MpsReady())
         return not port.stopping
@@ -157,12 +157,12 @@ class MpsChild:
             self.port.system.kill_group(pid, signal.SIGKILL)
 
     async def _stop(self) -> None:
-        d, port, child = self.control, self.port, self.child
+        control, port, child = self.control, self.port, self.child
         try:
             task = self._start_task
             if task is not None and not task.done():
                 try:
-                    await asyncio.wait_for(asyncio.shield(task), d.start_timeout_s + 2.0)
+                    await asyncio.wait_for(asyncio.shield(task), control.start_timeout_s + 2.0)
                 except (TimeoutError, asyncio.CancelledError):
                     pass
             await asyncio.sleep(0)  # let a pending adoption land
@@ -170,11 +170,11 @@ class MpsChild:
                 await self._quit(child)
             elif child.pid is None and child.state != ChildState.PENDING:
                 # started but never adopted: a daemon may still answer on the socket
-                if await asyncio.to_thread(d.control_state) == "live":
-                    await self.oneshot([], "quit\n", d.stop_timeout_s)
-                    await asyncio.to_thread(d.wait_gone, d.stop_timeout_s)
+                if await asyncio.to_thread(control.control_state) == "live":
+                    await self.oneshot([], "quit\n", control.stop_timeout_s)
+                    await asyncio.to_thread(control.wait_gone, control.stop_timeout_s)
             # else: it is dead (or never ran): no quit, no wait on its stale socket
-            await asyncio.to_thread(d.remove_leftovers)
+            await asyncio.to_thread(control.remove_leftovers)
         except MpsError as exc:
             port.log.error(f"MPS: {exc}")
         finally:
@@ -183,10 +183,10 @@ class MpsChild:
             port.post(MpsStopped())
 
     async def _quit(self, child: ChildProcess) -> None:
-        d, port = self.control, self.port
+        control, port = self.control, self.port
         child.fire(ChildEvent.TERM)
         exited = self.reaper.wait_exit(child.pid)
-        if await asyncio.to_thread(d.control_state) != "live":
+        if await asyncio.to_thread(control.control_state) != "live":
             port.log.warning("MPS: the control daemon does not answer on its socket; SIGKILL")
             self.kill_now()
             try:
@@ -194,14 +194,14 @@ class MpsChild:
             except TimeoutError:
                 pass
             return
-        code, out = await self.oneshot([], "quit\n", d.stop_timeout_s)
+        code, out = await self.oneshot([], "quit\n", control.stop_timeout_s)
         if code not in (0, None) and not exited.done():
             port.log.warning(f"MPS: quit answered code {code}: {' '.join(out)[:300]}")
         try:
-            await asyncio.wait_for(asyncio.shield(exited), d.stop_timeout_s)
+            await asyncio.wait_for(asyncio.shield(exited), control.stop_timeout_s)
             port.log.info("MPS: control daemon stopped")
         except TimeoutError:
-            port.log.warning(f"MPS: the control daemon did not quit within {d.stop_timeout_s:g} s; SIGKILL")
+            port.log.warning(f"MPS: the control daemon did not quit within {control.stop_timeout_s:g} s; SIGKILL")
             self.kill_now()
             try:
                 await asyncio.wait_for(asyncio.shield(exited), 2.0)

@@ -48,10 +48,10 @@ def _gpu_memory(child: ChildProcess, gpu: dict[str, Any]) -> tuple[int | None, s
     return (int(own), "service") if own is not None else (None, None)
 
 
-def _service(child: ChildProcess, v: UnitView) -> dict[str, Any]:
-    up = child.uptime(v.now)
-    gpu_bytes, gpu_source = _gpu_memory(child, v.sample.gpu)
-    tree = v.sample.trees.get(child.name) if child.alive else None
+def _service(child: ChildProcess, view: UnitView) -> dict[str, Any]:
+    up = child.uptime(view.now)
+    gpu_bytes, gpu_source = _gpu_memory(child, view.sample.gpu)
+    tree = view.sample.trees.get(child.name) if child.alive else None
     return {
         "name": child.name,
         "pid": child.pid,
@@ -81,55 +81,55 @@ def _service(child: ChildProcess, v: UnitView) -> dict[str, Any]:
     }
 
 
-def supervisor_state(v: UnitView) -> str:
-    if v.unit.stopping:
+def supervisor_state(view: UnitView) -> str:
+    if view.unit.stopping:
         return "stopping"
-    return "running" if v.all_ready_at is not None else "starting"
+    return "running" if view.all_ready_at is not None else "starting"
 
 
-def snapshot(v: UnitView) -> dict[str, Any]:
-    q = v.quota
-    s = v.sample
-    mps = v.mps
+def snapshot(view: UnitView) -> dict[str, Any]:
+    quota = view.quota
+    sample = view.sample
+    mps = view.mps
     return {
         "version": STATUS_VERSION,
         "supervisor": {
-            "pid": v.pid,
-            "state": supervisor_state(v),
-            "uptime_s": round(v.now - v.started_at, 1),
-            "all_ready": all_ready(v),
-            "stop_reason": v.unit.reason or None,
-            "cpu_percent": s.own_cpu_percent,
-            "rss_bytes": s.own_rss_bytes,
-            "orphans_reaped": v.orphans_reaped,
-            "tree_rss_bytes": s.own_tree_rss_bytes,
+            "pid": view.pid,
+            "state": supervisor_state(view),
+            "uptime_s": round(view.now - view.started_at, 1),
+            "all_ready": all_ready(view),
+            "stop_reason": view.unit.reason or None,
+            "cpu_percent": sample.own_cpu_percent,
+            "rss_bytes": sample.own_rss_bytes,
+            "orphans_reaped": view.orphans_reaped,
+            "tree_rss_bytes": sample.own_tree_rss_bytes,
             "version": version(),
-            "exit_code": v.unit.code if v.unit.stopping else None,
-            "log_lines_dropped": v.log_dropped,
-            "probe_connections_refused": v.probe_refused,
-            "sampled_s_ago": round(max(0.0, v.now - s.at), 1) if s.at else None,
+            "exit_code": view.unit.code if view.unit.stopping else None,
+            "log_lines_dropped": view.log_dropped,
+            "probe_connections_refused": view.probe_refused,
+            "sampled_s_ago": round(max(0.0, view.now - sample.at), 1) if sample.at else None,
         },
-        "cpu": {"cpus": q.cpus, "source": q.source, "affinity": q.affinity, "quota": q.quota,
-                "threads_planned": sum(c.plan.threads for c in v.children),
-                "throttling": s.throttling},
-        "gpu": {k: val for k, val in s.gpu.items() if k != "per_service_bytes"},
+        "cpu": {"cpus": quota.cpus, "source": quota.source, "affinity": quota.affinity, "quota": quota.quota,
+                "threads_planned": sum(c.plan.threads for c in view.children),
+                "throttling": sample.throttling},
+        "gpu": {k: val for k, val in sample.gpu.items() if k != "per_service_bytes"},
         "mps": {"enabled": mps is not None, "running": bool(mps and mps.alive),
-                "pipe_dir": v.mps_pipe_dir,
+                "pipe_dir": view.mps_pipe_dir,
                 "pid": mps.pid if mps else None, "state": mps.state.value if mps else None},
-        "services": [_service(c, v) for c in v.children],
+        "services": [_service(c, view) for c in view.children],
     }
 
 
-def all_ready(v: UnitView) -> bool:
-    return not v.unit.stopping and all(c.state == ChildState.READY for c in v.children)
+def all_ready(view: UnitView) -> bool:
+    return not view.unit.stopping and all(c.state == ChildState.READY for c in view.children)
 
 
-def not_ready(v: UnitView) -> list[str]:
-    return [f"{c.name} ({c.state.value})" for c in v.children if c.state != ChildState.READY]
+def not_ready(view: UnitView) -> list[str]:
+    return [f"{c.name} ({c.state.value})" for c in view.children if c.state != ChildState.READY]
 
 
-def _esc(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def _esc(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _family(out: list[str], name: str, kind: str, help_text: str,
@@ -141,10 +141,10 @@ def _family(out: list[str], name: str, kind: str, help_text: str,
         out.append(f"{name}{{{label_text}}} {value}" if labels else f"{name} {value}")
 
 
-def metrics_text(v: UnitView) -> str:
+def metrics_text(view: UnitView) -> str:
     """Prometheus text exposition (format 0.0.4): services, GPU, CPU, the supervisor itself."""
-    kids = v.children
-    s = v.sample
+    kids = view.children
+    sample = view.sample
     out: list[str] = []
     _family(out, "onecard_build_info", "gauge", "Version of onecard and of Python; always 1.",
             [({"version": version(), "python": platform.python_version()}, 1)])
@@ -154,14 +154,14 @@ def metrics_text(v: UnitView) -> str:
             [({"service": c.name, "state": st.value}, 1 if c.state == st else 0) for c in kids for st in ChildState])
     _family(out, "onecard_service_exits_total", "counter", "Exits of the service process seen by the supervisor.",
             [({"service": c.name}, 1 if c.exit_code is not None else 0) for c in kids])
-    trees = [(c, s.trees.get(c.name)) for c in kids if c.alive]
+    trees = [(c, sample.trees.get(c.name)) for c in kids if c.alive]
     _family(out, "onecard_service_cpu_seconds_total", "counter", "CPU time of the service's process tree.",
             [({"service": c.name}, f"{t.cpu_seconds:.3f}") for c, t in trees if t is not None])
     _family(out, "onecard_service_rss_bytes", "gauge", "Resident memory of the service's process tree.",
             [({"service": c.name}, t.rss_bytes) for c, t in trees if t is not None])
     _family(out, "onecard_service_liveness_misses", "gauge", "Liveness probes missed in a row.",
             [({"service": c.name}, c.liveness_misses) for c in kids])
-    gpu = s.gpu
+    gpu = sample.gpu
     _family(out, "onecard_gpu_available", "gauge", "1 when NVML sees the GPU.",
             [({}, 1 if gpu.get("available") else 0)])
     if gpu.get("available"):
@@ -175,12 +175,12 @@ def metrics_text(v: UnitView) -> str:
     per_service = [(c, *_gpu_memory(c, gpu)) for c in kids]
     _family(out, "onecard_service_gpu_memory_bytes", "gauge", "GPU memory per service; source nvml or service.",
             [({"service": c.name, "source": source}, used) for c, used, source in per_service if used is not None])
-    if v.mps is not None:
+    if view.mps is not None:
         _family(out, "onecard_mps_up", "gauge", "1 while the MPS control daemon is alive.",
-                [({}, 1 if v.mps.alive else 0)])
+                [({}, 1 if view.mps.alive else 0)])
     _family(out, "onecard_cpu_quota_cpus", "gauge", "CPUs this container may use (cgroup quota and affinity).",
-            [({}, f"{v.quota.cpus:g}")])
-    thr = s.throttling
+            [({}, f"{view.quota.cpus:g}")])
+    thr = sample.throttling
     if thr is not None:
         _family(out, "onecard_cpu_throttled_periods_total", "counter",
                 "CFS periods in which the cgroup was throttled.", [({}, thr["nr_throttled"])])
@@ -190,11 +190,11 @@ def metrics_text(v: UnitView) -> str:
         _family(out, "onecard_cpu_throttled_share_1m", "gauge", "Share of periods throttled over the last minute.",
                 [({}, thr["throttled_share_1m"])])
     _family(out, "onecard_log_lines_dropped_total", "counter",
-            "Log lines dropped because stdout did not keep up.", [({}, v.log_dropped)])
+            "Log lines dropped because stdout did not keep up.", [({}, view.log_dropped)])
     _family(out, "onecard_probe_connections_refused_total", "counter",
-            "Probe-port connections closed at once because too many were open.", [({}, v.probe_refused)])
-    if s.own_rss_bytes is not None:
+            "Probe-port connections closed at once because too many were open.", [({}, view.probe_refused)])
+    if sample.own_rss_bytes is not None:
         _family(out, "onecard_supervisor_rss_bytes", "gauge", "Resident memory of the supervisor process.",
-                [({}, s.own_rss_bytes)])
-    _family(out, "onecard_ready", "gauge", "1 when every service is ready.", [({}, 1 if all_ready(v) else 0)])
+                [({}, sample.own_rss_bytes)])
+    _family(out, "onecard_ready", "gauge", "1 when every service is ready.", [({}, 1 if all_ready(view) else 0)])
     return "\n".join(out) + "\n"

@@ -58,27 +58,28 @@ class ServiceWatch:
                 StartupDeadline: self._on_startup_deadline}
 
     async def probe_loop(self, child: ChildProcess) -> None:
-        port, s = self.port, self.port.settings
+        port, settings = self.port, self.port.settings
         while child.probing and not port.stopping:
             if child.state == ChildState.STARTING:
-                port.post(ReadyProbeAnswered(child, await self.probes.get(child, "/readyz", s.liveness_timeout_s)))
-                await port.clock.sleep(s.readiness_period_s)
+                answer = await self.probes.get(child, "/readyz", settings.liveness_timeout_s)
+                port.post(ReadyProbeAnswered(child, answer))
+                await port.clock.sleep(settings.readiness_period_s)
                 continue
-            await port.clock.sleep(s.liveness_period_s)
+            await port.clock.sleep(settings.liveness_period_s)
             while child.probing and not port.stopping:
                 began = port.clock.now()
                 answers = await asyncio.gather(
-                    self.probes.get(child, "/healthz", s.liveness_timeout_s),
-                    self.probes.get(child, "/readyz", s.liveness_timeout_s),
-                    self.probes.get(child, "/stats", s.liveness_timeout_s))
-                if port.clock.now() - began <= s.liveness_timeout_s + LATE_SLACK_S or all(a.ok for a in answers):
+                    self.probes.get(child, "/healthz", settings.liveness_timeout_s),
+                    self.probes.get(child, "/readyz", settings.liveness_timeout_s),
+                    self.probes.get(child, "/stats", settings.liveness_timeout_s))
+                if port.clock.now() - began <= settings.liveness_timeout_s + LATE_SLACK_S or all(a.ok for a in answers):
                     port.post(WatchRoundAnswered(child, *answers))
                     break
                 # A round cannot outlast its timeout unless this process did not run (frozen
                 # with SIGSTOP, starved): what it saw is no evidence against the service.
                 port.log_once(f"late-round:{child.name}", "warning",
                               f"{child.name}: a probe round took {port.clock.now() - began:.1f} s, past its "
-                              f"{s.liveness_timeout_s:g} s timeout (the supervisor was frozen or starved); "
+                              f"{settings.liveness_timeout_s:g} s timeout (the supervisor was frozen or starved); "
                               f"probing again before counting a miss")
             else:
                 return
@@ -103,15 +104,15 @@ class ServiceWatch:
         if not child.probing or self.port.stopping:
             return None
         absorb_stats(child, event.stats)
-        s = self.port.settings
+        settings = self.port.settings
         if health.ok:
             child.liveness_misses = 0
         else:
             child.liveness_misses += 1
             child.last_probe_error = health.error or f"/healthz answered {health.status}"
-            self.port.log.warning(f"{child.name}: liveness miss {child.liveness_misses}/{s.liveness_failures}: "
+            self.port.log.warning(f"{child.name}: liveness miss {child.liveness_misses}/{settings.liveness_failures}: "
                                   f"{child.last_probe_error}")
-            if child.liveness_misses >= s.liveness_failures:
+            if child.liveness_misses >= settings.liveness_failures:
                 return [UnitFailed(EXIT_LIVENESS, f"{child.name} failed {child.liveness_misses} liveness probes "
                                                   f"in a row ({child.last_probe_error})")]
         before = child.state

@@ -21,6 +21,7 @@ import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from supervisor.config.settings import SupervisorSettings
 from supervisor.servers.connection_slots import Slots
 
 MAX_REQUEST = 8 * 1024
@@ -115,12 +116,12 @@ class ControlServer(_Server):
 
     COMMANDS = ("status", "stop")
 
-    def __init__(self, path: str, handle: ControlHandler, max_clients: int = 256, idle_timeout_s: float = 1.0):
-        self.path = path
+    def __init__(self, settings: SupervisorSettings, handle: ControlHandler):
+        self.path = settings.control_socket
         self.handle = handle
         self.identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket we bound
-        self.slots = Slots(max_clients)
-        self.idle_timeout_s = idle_timeout_s
+        self.slots = Slots(settings.control_max_clients)
+        self.idle_timeout_s = settings.control_idle_timeout_s
 
     async def start(self) -> None:
         prepare_socket_path(self.path)

@@ -18,6 +18,7 @@ import errno
 from collections.abc import Callable
 
 from common import http1
+from supervisor.config.settings import SupervisorSettings
 from supervisor.servers.connection_slots import Slots
 
 BACKLOG = 1024
@@ -36,15 +37,15 @@ class ProbePortError(Exception):
 
 
 class ProbePortServer:
-    """``routes`` maps a path to a function returning its answer."""
+    """``routes`` maps a path to a function returning its answer; its address and limits are
+    the ``health_*`` settings (a new limit is a key there and its use here)."""
 
-    def __init__(self, host: str, port: int, routes: dict[str, Route],
-                 on_refused: Callable[[int], None] = lambda n: None, max_clients: int = 512,
-                 idle_timeout_s: float = 1.0):
-        self.host, self.port, self.routes = host, port, routes
+    def __init__(self, settings: SupervisorSettings, routes: dict[str, Route],
+                 on_refused: Callable[[int], None] = lambda n: None):
+        self.host, self.port, self.routes = settings.health_host, settings.health_port, routes
         self.on_refused = on_refused
-        self.idle_timeout_s = idle_timeout_s
-        self.slots = Slots(max_clients)
+        self.idle_timeout_s = settings.health_idle_timeout_s
+        self.slots = Slots(settings.health_max_clients)
         self._server: asyncio.AbstractServer | None = None
 
     @property
