@@ -223,6 +223,11 @@ class SupervisorRun:
                 out.append(p)
         return out
 
+    def assert_clean(self) -> None:
+        """Nothing this run started is left behind, zombies included."""
+        left = self.wait_no_leftovers()
+        assert not left, f"left behind: {[(p.pid, p.status()) for p in left]}"
+
     def wait_no_leftovers(self, timeout: float = 3.0) -> list[psutil.Process]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
