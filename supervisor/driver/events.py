@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from supervisor.driver.child import ChildProcess
 
-Handler = Callable[[Any], "Iterable[object] | None"]
+Handler = Callable[[Any], Iterable[object] | None]
 Handlers = dict[type, Handler]
 
 

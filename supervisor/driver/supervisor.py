@@ -3,7 +3,7 @@ timers) into events for the lifecycle tables (policy/) and carries out what they
 
 Signal handlers, probe tasks, timers and the sampler thread only post events (port.py);
 `_dispatch` applies one at a time through a table (event type -> handler), so the policy
-is sequential and a scripted history replays the same way (tests/unit/test_policy.py).
+is sequential and a scripted history replays the same way (tests/unit/test_driver_*.py).
 Nothing on this loop blocks: logs go through a bounded buffer (logs.py), process-table
 and NVML figures come from a worker thread (sampler.py), filesystem and process-table
 look-ups run in worker threads.
@@ -15,14 +15,15 @@ import asyncio
 import secrets
 import signal
 import subprocess
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from supervisor.config.settings import GpuSettings, SupervisorSettings
 from supervisor.driver import report
 from supervisor.driver.child import ChildProcess
 from supervisor.driver.child_output import ChildOutput
-from supervisor.driver.child_probe import ChildProber, http_get
+from supervisor.driver.child_probe import ChildProber, Prober, http_get
 from supervisor.driver.descendants import Descendants
 from supervisor.driver.endpoints import Endpoints
 from supervisor.driver.events import (
@@ -51,11 +52,19 @@ from supervisor.system.clock import Clock, LoopClock, Timer
 from supervisor.system.os_layer import OsLayer, exit_code_of
 from supervisor.system.signal_mask import quiet_thread
 
+if TYPE_CHECKING:
+    from supervisor.system.nvml import GpuFacts
+
+PortCheck = Callable[[str, int], str | None]  # (host, port) -> why it cannot be bound, or None
+
 
 class Supervisor:
     def __init__(self, settings: SupervisorSettings, gpu: GpuSettings, plan: Plan, *, system: OsLayer | None = None,
-                 clock: Clock | None = None, log: LogSink | None = None, prober: Any = None,
-                 gpu_facts: Any = None, sampler: Sampler | None = None, port_check: Any = None):
+                 clock: Clock | None = None, log: LogSink | None = None, prober: Prober | ChildProber | None = None,
+                 gpu_facts: GpuFacts | None = None, sampler: Sampler | None = None,
+                 port_check: PortCheck | None = None):
+        """Everything it talks to can be replaced (tests/fakes/): the OS layer, the clock, the
+        log, the probe client, the GPU facts, the sampler, the port check."""
         self.settings = settings
         self.plan = plan
         self.system = system or OsLayer()
