@@ -23,7 +23,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from supervisor.status import fetch  # noqa: E402
+from supervisor.cli.status import fetch  # noqa: E402
 from tests.harness import SupervisorRun, fake_service, free_port  # noqa: E402
 
 LINE = "x" * 100

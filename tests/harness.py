@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+from tests.reaping import end_process_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_APP = "tests.children.fake_app:create_app"
@@ -118,7 +119,7 @@ class SupervisorRun:
         self.seen: dict[int, psutil.Process] = {}
         self.returncode: int | None = None
 
-    def start(self, stdio: str = "log") -> "SupervisorRun":
+    def start(self, stdio: str = "log") -> SupervisorRun:
         """stdio: "log" (stdout and stderr to supervisor.log), "closed" (fds 1 and 2 closed, as
         `onecard run >&- 2>&-` leaves them), or a path to open for both (/dev/full)."""
         self._log = open(self.log_path, "wb")
@@ -139,7 +140,7 @@ class SupervisorRun:
         self.seen[self.proc.pid] = psutil.Process(self.proc.pid)
         return self
 
-    def __enter__(self) -> "SupervisorRun":
+    def __enter__(self) -> SupervisorRun:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -222,6 +223,11 @@ class SupervisorRun:
                 out.append(p)
         return out
 
+    def assert_clean(self) -> None:
+        """Nothing this run started is left behind, zombies included."""
+        left = self.wait_no_leftovers()
+        assert not left, f"left behind: {[(p.pid, p.status()) for p in left]}"
+
     def wait_no_leftovers(self, timeout: float = 3.0) -> list[psutil.Process]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -235,24 +241,7 @@ class SupervisorRun:
         if self.proc is None:
             return
         self.record_tree()
-        for p in list(self.seen.values()):
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        for p in list(self.seen.values()):
-            try:
-                p.wait(timeout=2)
-            except (psutil.Error, subprocess.TimeoutExpired):
-                pass
+        end_process_tree(self.proc, self.seen.values(), timeout=10, others_timeout=2)
         remove_unit_cgroups(self.socket)
         self._log.close()
 
@@ -260,7 +249,7 @@ class SupervisorRun:
 def remove_unit_cgroups(control_socket: str) -> None:
     """The empty cgroups a run killed with its sentinel (SIGKILL of the whole tree) leaves: a
     next run on the same socket would remove them; tests use a new socket each time."""
-    from supervisor.containment import hierarchy_base, remove_tree, unit_key
+    from supervisor.system.containment import hierarchy_base, remove_tree, unit_key  # the checkout's, as the run's
     for kind in ("cgroup2", "cgroup1"):
         found = hierarchy_base(kind)
         if found is not None:

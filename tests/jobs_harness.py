@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from typing import Any, Iterable
 import httpx
 
 from tests.harness import ROOT, free_port
+from tests.reaping import end_process_tree
 
 JOBS_APP = "services.jobs.app:create_app"
 TARGET_APP = "tests.children.jobs_target:create_app"
@@ -74,11 +74,7 @@ class Proc:
         if self.proc is None:
             return
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=10)
+            end_process_tree(self.proc, timeout=10)
         finally:
             if self._log is not None:
                 self._log.close()

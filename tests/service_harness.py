@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
 from tests.harness import ROOT, free_port
+from tests.reaping import end_process_tree
 
 
 class ServiceProcess:
@@ -77,17 +77,7 @@ class ServiceProcess:
         return self.log_path.read_text(errors="replace")
 
     def __exit__(self, *exc) -> None:
-        try:
-            procs = [psutil.Process(self.proc.pid)] + psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.Error:
-            procs = []
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        self.proc.wait(timeout=10)
-        psutil.wait_procs(procs, timeout=5)
+        end_process_tree(self.proc, timeout=10, others_timeout=5)
         self._log.close()
 
 

@@ -20,7 +20,7 @@ SERVER = str(ROOT / "tests" / "children" / "daemon_server.py")
 
 
 def _usable(mode: str) -> bool:
-    from supervisor.containment import Marker, create
+    from supervisor.system.containment import Marker, create
     c = create(Marker("probe" + secrets.token_hex(4), "x"), ["s"], mode)
     c.release()
     return c.kind == mode

@@ -120,8 +120,8 @@ def test_every_line_is_tagged_and_nothing_is_lost_at_shutdown(tmp_path):
     services = {"talker": {"command": [sys.executable, "-c", script], "port": 1}}
     with SupervisorRun(tmp_path, services) as run:
         assert run.wait_exit(20) == 5
-        lines = [l for l in run.output().splitlines() if l.startswith("talker ")]
-        got = [l.split(" | ", 1)[1] for l in lines]
+        lines = [line for line in run.output().splitlines() if line.startswith("talker ")]
+        got = [line.split(" | ", 1)[1] for line in lines]
         assert got[:2000] == [f"line {i}" for i in range(2000)]
         assert got[2000] == "partial-last-line-without-newline"
 
@@ -132,7 +132,7 @@ def test_json_log_format(tmp_path):
         run.wait_ready()
         run.signal(signal.SIGTERM)
         assert run.wait_exit(10) == 0
-        records = [json.loads(l) for l in run.output().splitlines() if l.strip()]
+        records = [json.loads(line) for line in run.output().splitlines() if line.strip()]
         assert {r["source"] for r in records} == {"onecard", "a"}
         assert all({"ts", "source", "level", "msg"} <= set(r) for r in records)
         assert any(r["source"] == "a" and "Application startup complete." in r["msg"] for r in records)
@@ -230,6 +230,7 @@ def test_jobs_section_is_passed_through(tmp_path):
 
 def test_metrics_are_valid_prometheus_text(tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
+
     from supervisor.version import __version__
     with SupervisorRun(tmp_path, {"a": fake_service()}) as run:
         run.wait_ready()
@@ -240,8 +241,8 @@ def test_metrics_are_valid_prometheus_text(tmp_path):
         families = list(text_string_to_metric_families(text))
         names = [f.name for f in families]
         assert len(names) == len(set(names)), "a family appears twice"
-        helps = [l for l in text.splitlines() if l.startswith("# HELP ")]
-        types = [l for l in text.splitlines() if l.startswith("# TYPE ")]
+        helps = [line for line in text.splitlines() if line.startswith("# HELP ")]
+        types = [line for line in text.splitlines() if line.startswith("# TYPE ")]
         assert len(helps) == len(types) == len(families)
         for line in types:
             _, _, name, kind = line.split()
@@ -315,8 +316,11 @@ def test_a_stuck_stdout_never_stalls_supervision(tmp_path):
         run.wait_for("lines to be dropped", lambda: (status_doc() or {})["supervisor"]["log_lines_dropped"] > 1000)
         victim = next(s["pid"] for s in status_doc()["services"] if s["name"] == "victim")
         os.kill(victim, signal.SIGKILL)
-        doc = run.wait_for("the death to be acted on, stdout still stuck",
-                           lambda: (lambda d: d if d and d["supervisor"]["state"] == "stopping" else None)(status_doc()))
+        def stopping():
+            doc = status_doc()
+            return doc if doc and doc["supervisor"]["state"] == "stopping" else None
+
+        doc = run.wait_for("the death to be acted on, stdout still stuck", stopping)
         assert doc["supervisor"]["stop_reason"] == "victim exited with code 137"
         tail = proc.stdout.read().decode(errors="replace")  # stdout moves again: to the end
         assert proc.wait(timeout=15) == 128 + signal.SIGKILL
@@ -358,4 +362,4 @@ def test_the_long_running_supervisor_imports_no_pydantic_or_typer(tmp_path):
         p = psutil.Process(run.proc.pid)
         maps = " ".join(m.path for m in p.memory_maps())
         assert "pydantic_core" not in maps
-        assert p.cmdline()[1] == "-c" and "supervisor.runner" in p.cmdline()[2]  # same pid, lean process
+        assert p.cmdline()[1] == "-c" and "supervisor.cli.supervise" in p.cmdline()[2]  # same pid, lean process

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from supervisor.status import Unreachable, fetch
+from supervisor.cli.status import Unreachable, fetch
 from tests.harness import ROOT, SupervisorRun, fake_service, http_get
 
 

@@ -31,7 +31,7 @@ def mps_env(tmp_path, **extra) -> dict[str, str]:
 
 def records(tmp_path) -> list[dict]:
     path = tmp_path / "mps.log"
-    return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def calls(tmp_path) -> list[dict]:
@@ -187,7 +187,8 @@ def test_daemon_that_will_not_start_is_a_clear_error(tmp_path):
     with mps_run(tmp_path, {"a": fake_service()}, env=mps_env(tmp_path, FAKE_MPS_FAIL="1")) as run:
         assert run.wait_exit(20) == 5
         out = run.output()
-        assert "MPS: nvidia-cuda-mps-control -d failed with code 1: An instance of this daemon is already running" in out
+        assert ("MPS: nvidia-cuda-mps-control -d failed with code 1: An instance of this daemon is already running"
+                in out)
         assert "a: started" not in out  # nothing was started
 
 
@@ -254,7 +255,7 @@ def test_gpu_facts_and_budgets_come_from_the_visible_card(tmp_path):
 
 
 def test_real_cgroup_quota_and_throttling_are_reported(tmp_path):
-    from supervisor.cpuquota import read_cpu_quota, read_cpu_stat
+    from supervisor.system.cpu_cgroup import read_cpu_quota, read_cpu_stat
     quota = read_cpu_quota()
     with SupervisorRun(tmp_path, {"a": fake_service()}) as run:
         run.wait_ready()

@@ -6,20 +6,13 @@ import json
 import os
 import re
 import signal
-import stat
-import sys
 import threading
 import time
 
 import psutil
 import pytest
 
-from tests.harness import ROOT, SupervisorRun, fake_service, free_port, http_get
-
-
-def _assert_clean(run: SupervisorRun) -> None:
-    left = run.wait_no_leftovers()
-    assert not left, f"left behind: {[(p.pid, p.status()) for p in left]}"
+from tests.harness import SupervisorRun, fake_service, free_port, http_get
 
 
 def test_child_exit_stops_the_unit_with_its_code(tmp_path):
@@ -31,7 +24,7 @@ def test_child_exit_stops_the_unit_with_its_code(tmp_path):
         out = run.output()
         assert "b: exited with code 7; stopping every service" in out
         assert "exit 7: b exited with code 7" in out
-        _assert_clean(run)
+        run.assert_clean()
 
 
 def test_child_killed_by_signal_gives_128_plus_n(tmp_path):
@@ -40,7 +33,7 @@ def test_child_killed_by_signal_gives_128_plus_n(tmp_path):
         run.wait_ready()
         os.kill(run.child_pid("a"), signal.SIGKILL)
         assert run.wait_exit(10) == 128 + signal.SIGKILL
-        _assert_clean(run)
+        run.assert_clean()
 
 
 def _start_slow_requests(services, names, seconds, n=4):
@@ -85,7 +78,7 @@ def test_a_stop_signal_drains_in_flight_requests_and_exits_0(tmp_path, sig):
             assert re.search(rf"^onecard  \| {name}: exited with code (0|143) \(it was told to stop\)$", out, re.M), out
         assert "SIGKILL" not in out and "killed after the grace period" not in out
         assert f"{signal.Signals(sig).name} received: draining every service (drain 8 s, grace 10 s)" in out
-        _assert_clean(run)
+        run.assert_clean()
 
 
 def test_a_drain_that_runs_out_ends_with_the_service_exiting_on_its_own_and_exit_75(tmp_path):
@@ -103,7 +96,7 @@ def test_a_drain_that_runs_out_ends_with_the_service_exiting_on_its_own_and_exit
         assert "drain incomplete (service exit codes [75])" in out
         for t in threads:
             t.join(10)
-        _assert_clean(run)
+        run.assert_clean()
 
 
 def test_the_drain_timeouts_nest_in_the_children_environment(tmp_path):
@@ -127,7 +120,7 @@ def test_child_ignoring_sigterm_is_killed_after_grace_and_the_unit_says_work_was
         assert "stubborn: still running 1.5 s after SIGTERM; SIGKILL" in out
         assert "stubborn: exited with code 137 (killed after the grace period)" in out
         assert "ok: exited with code" in out and "drain incomplete (service exit codes [137])" in out
-        _assert_clean(run)
+        run.assert_clean()
 
 
 def test_a_service_that_exits_0_on_its_own_fails_the_unit(tmp_path):
@@ -137,7 +130,7 @@ def test_a_service_that_exits_0_on_its_own_fails_the_unit(tmp_path):
         http_get(services["a"]["port"], "/exit?code=0")
         assert run.wait_exit(15) == 69
         assert "exit 69: a exited with code 0 on its own" in run.output()
-        _assert_clean(run)
+        run.assert_clean()
 
 
 def test_ctrl_c_while_stopping_for_a_crash_keeps_the_crash_code(tmp_path):
@@ -150,7 +143,7 @@ def test_ctrl_c_while_stopping_for_a_crash_keeps_the_crash_code(tmp_path):
         run.signal(signal.SIGINT)
         assert run.wait_exit(15) == 7
         assert "second SIGINT: killing every service now" in run.output()
-        _assert_clean(run)
+        run.assert_clean()
 
 
 def test_sigusr1_and_terminal_signals_do_not_stop_the_unit(tmp_path):
@@ -174,7 +167,7 @@ def test_second_sigint_stops_at_once(tmp_path):
         assert run.proc.poll() is None  # still waiting for the grace period
         run.signal(signal.SIGINT)
         assert run.wait_exit(10) == 130  # long before the 60 s grace
-        _assert_clean(run)
+        run.assert_clean()
 
 
 def test_sigkill_of_the_supervisor_takes_every_child_down(tmp_path):
@@ -198,14 +191,14 @@ def test_startup_timeout_names_the_service_and_its_last_lines(tmp_path):
         assert "late not ready after 2 s" in out
         assert "Application startup complete." in out.split("late not ready after 2 s", 1)[1]
         assert "exit 3: start-up timeout: late" in out
-        _assert_clean(run)
+        run.assert_clean()
 
 
 def test_child_crash_during_startup_stops_the_unit(tmp_path):
     services = {"slow": fake_service(startup_delay_s=30), "bad": fake_service(crash_after_s=0, crash_code=9)}
     with SupervisorRun(tmp_path, services) as run:
         assert run.wait_exit(20) == 9
-        _assert_clean(run)
+        run.assert_clean()
 
 
 def test_hung_event_loop_fails_liveness(tmp_path):
@@ -217,7 +210,7 @@ def test_hung_event_loop_fails_liveness(tmp_path):
         out = run.output()
         assert "hangs: liveness miss 3/3" in out
         assert "exit 4: hangs failed 3 liveness probes in a row" in out
-        _assert_clean(run)
+        run.assert_clean()
 
 
 def test_orphans_are_reaped_and_not_taken_for_children(tmp_path):
@@ -234,7 +227,7 @@ def test_orphans_are_reaped_and_not_taken_for_children(tmp_path):
         assert not zombies
         run.signal(signal.SIGTERM)
         assert run.wait_exit(10) == 0
-        _assert_clean(run)
+        run.assert_clean()
 
 
 def test_children_run_in_their_own_group_with_their_own_environment(tmp_path):
@@ -262,7 +255,7 @@ def test_spawn_failure_exits_127(tmp_path):
     with SupervisorRun(tmp_path, services) as run:
         assert run.wait_exit(15) == 127
         assert "missing: cannot start '/nonexistent/onecard-child'" in run.output()
-        _assert_clean(run)
+        run.assert_clean()
 
 
 def _can_unshare_pid() -> bool:
@@ -291,7 +284,7 @@ def test_as_pid_1_it_reaps_orphans_it_did_not_start(tmp_path):
         assert not [p for p in pid1.children(recursive=True) if p.status() == psutil.STATUS_ZOMBIE]
         pid1.send_signal(signal.SIGTERM)
         assert run.wait_exit(10) == 0
-        _assert_clean(run)
+        run.assert_clean()
 
 
 def test_a_service_whose_model_does_not_load_stops_the_unit_with_78(tmp_path):
@@ -303,135 +296,7 @@ def test_a_service_whose_model_does_not_load_stops_the_unit_with_78(tmp_path):
         out = run.output()
         assert "cannot load the Haar cascade /nonexistent/cascade.xml" in out
         assert "broken: exited with code 78; stopping every service" in out
-        _assert_clean(run)
-
-
-# ---- ports and identity (issue 11, item 9) ------------------------------------------------
-class ForeignServer:
-    """Another process's HTTP server on a port: answers every path 200, with no identity."""
-
-    def __init__(self, port: int):
-        import http.server
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                body = b'{"ready": true, "status": "ok"}'
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def test_a_taken_port_is_78_naming_the_port_and_its_holder_and_nothing_starts(tmp_path):
-    services = {"a": fake_service(), "b": fake_service()}
-    with ForeignServer(services["b"]["port"]):
-        with SupervisorRun(tmp_path, services) as run:
-            assert run.wait_exit(20) == 78
-            out = run.output()
-            port = services["b"]["port"]
-            assert f"services.b.port: port {port} on 127.0.0.1 is taken by pid {os.getpid()} (" in out
-            assert "started pid" not in out
-
-
-def test_a_foreign_answer_on_the_port_is_never_taken_for_our_service(tmp_path):
-    """The race after the port check: our command service does not listen yet, another
-    process answers /readyz 200 on its port. The unit must not call it ready."""
-    port = free_port()
-    sleeper = {"command": [sys.executable, "-c", "import time; time.sleep(60)"], "port": port}
-    with SupervisorRun(tmp_path, {"quiet": sleeper}, startup_timeout_s=30.0) as run:
-        run.wait_for("the service to start", lambda: "quiet: started pid" in run.output())
-        with ForeignServer(port):
-            err = run.wait_for("a foreign answer to be refused", lambda: (run.service("quiet")["last_probe_error"] or "")
-                               if "another process" in (run.service("quiet")["last_probe_error"] or "") else None)
-            assert f"/readyz on 127.0.0.1:{port} was answered by another process, not quiet" in err
-            assert f"no process of the service's tree listens on port {port}" in err
-            doc = run.status_doc()
-            assert doc["services"][0]["state"] == "starting" and not doc["supervisor"]["all_ready"]
-            assert http_get(run.health_port, "/readyz")[0] == 503
-        run.signal(signal.SIGTERM)
-        assert run.wait_exit(10) == 0
-
-
-def _uvicorn_command(port: int, **settings) -> dict:
-    """fake_app run by uvicorn directly: a `command` service, probed over TCP."""
-    code = ("import json, sys, uvicorn; sys.path.insert(0, %r); from tests.children.fake_app import create_app; "
-            "uvicorn.run(create_app(json.loads(sys.argv[1])), host='127.0.0.1', port=%d, log_level='warning')"
-            % (str(ROOT), port))
-    return {"command": [sys.executable, "-c", code, json.dumps(settings)], "port": port}
-
-
-def test_a_command_service_is_probed_over_tcp_with_its_token(tmp_path):
-    port = free_port()
-    with SupervisorRun(tmp_path, {"cmd": _uvicorn_command(port)}) as run:
-        doc = run.wait_ready()
-        assert doc["services"][0]["state"] == "ready"
-        token = psutil.Process(run.child_pid("cmd")).environ()["ONECARD_INSTANCE_TOKEN"]
-        assert "ONECARD_PROBE_SOCKET" not in psutil.Process(run.child_pid("cmd")).environ()
-        assert json.loads(http_get(port, "/readyz")[1])["instance"] == token
-        run.signal(signal.SIGTERM)
-        assert run.wait_exit(10) == 0
-
-
-def test_a_command_service_without_identity_is_ours_when_it_holds_its_port(tmp_path):
-    port = free_port()
-    with SupervisorRun(tmp_path, {"plain": _uvicorn_command(port, anonymous=True)}) as run:
-        run.wait_ready()
-        run.signal(signal.SIGTERM)
-        assert run.wait_exit(10) == 0
-
-
-def _dead(p: psutil.Process) -> bool:
-    try:
-        return p.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def test_every_probe_answer_of_a_command_service_is_checked_not_only_the_first(tmp_path):
-    """A wrapper whose server dies while the wrapper lives on, and another process takes the
-    port: its answers are not the service's, so liveness fails (4)."""
-    port, pidfile = free_port(), tmp_path / "server.pid"
-    server = ROOT / "tests" / "children" / "daemon_server.py"
-    svc = {"command": ["sh", "-c", f"{sys.executable} {server} {port} {pidfile}; sleep 600"], "port": port}
-    with SupervisorRun(tmp_path, {"wrapped": svc}) as run:
-        run.wait_ready()
-        server = psutil.Process(int(pidfile.read_text()))
-        server.kill()
-        run.wait_for("the server to be gone", lambda: _dead(server))  # its socket closed with it
-        with ForeignServer(port):
-            assert run.wait_exit(20) == 4, run.output()
-        out = run.output()
-        assert f"/healthz on 127.0.0.1:{port} was answered by another process, not wrapped" in out
-        assert "exit 4: wrapped failed 3 liveness probes in a row" in out
-        _assert_clean(run)
-
-
-def test_app_services_are_probed_on_their_private_unix_socket(tmp_path):
-    services = {"a": fake_service(tcp_probes_fail=True)}
-    with SupervisorRun(tmp_path, services) as run:
-        run.wait_ready()  # only the unix socket answers 200
-        assert http_get(services["a"]["port"], "/readyz")[0] == 503
-        sock = f"{run.socket}.d/probes/a.sock"
-        assert os.path.exists(sock)
-        assert stat.S_IMODE(os.stat(f"{run.socket}.d").st_mode) == 0o700
-        time.sleep(1.2)  # liveness periods pass: still alive and ready
-        assert run.service("a")["liveness_misses"] == 0 and run.status().returncode == 0
-        run.signal(signal.SIGTERM)
-        assert run.wait_exit(10) == 0
+        run.assert_clean()
 
 
 def test_a_service_whose_app_cannot_be_imported_stops_the_unit_with_78(tmp_path):
@@ -441,7 +306,7 @@ def test_a_service_whose_app_cannot_be_imported_stops_the_unit_with_78(tmp_path)
         out = run.output()
         assert "bad: exited with code 78; stopping every service" in out
         assert "no_such_module" in out
-        _assert_clean(run)
+        run.assert_clean()
 
 
 def test_cpu_seconds_never_go_back_when_a_process_of_the_tree_exits(tmp_path):

@@ -81,7 +81,7 @@ def test_a_sigterm_in_the_first_milliseconds_waits_for_the_handlers_and_drains(t
     with run:
         p = _supervisor_process(run, pid1)
         if phase == "lean supervisor":
-            _wait(lambda: "supervisor.runner" in " ".join(p.cmdline()), 10.0)
+            _wait(lambda: "supervisor.cli.supervise" in " ".join(p.cmdline()), 10.0)
         else:
             _wait(lambda: _sigterm_blocked(p.pid), 2.0)  # an unprotected start gets it all the same
         p.send_signal(signal.SIGTERM)

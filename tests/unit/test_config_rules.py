@@ -1,72 +1,61 @@
-"""Configuration rules to the letter: which environment variables are overrides, how
---set splits, the exact messages and whom they blame, the derived paths and timeouts,
-and every limit at its boundary. test_config.py has the broad behaviour; these were
-written against surviving mutants (docs/mutation-testing.md)."""
+"""Rules across keys and what follows from a valid config: ports that clash, paths that must
+exist, each service's own settings, drain timeouts nested below the grace, the run
+directory and its sockets, GPU budgets, the probe port's and the control socket's keys.
+Each at its boundary, and each message blaming the key (and the override) that broke it."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-from supervisor.config import (UNIX_PATH_MAX, drain_of, load_config, probe_socket_of, run_dir_of,
-                               termination_grace_min)
-from tests.harness import ROOT
-from tests.unit.test_config import BASE, error_of, write
-
-COMMAND_ONLY = """
-[services.worker]
-command = ["sleep", "1"]
-port = 7870
-"""
+from supervisor.config.derived import UNIX_PATH_MAX, drain_of, probe_socket_of, run_dir_of, termination_grace_min
+from supervisor.config.loading import load_config
+from tests.config_files import BASE, COMMAND_ONLY, error_of, write
 
 
-def test_only_prefixed_variables_with_a_section_and_a_key_are_overrides(tmp_path, monkeypatch):
-    p = write(tmp_path, BASE)
-    env = {"AAA_SORTS_FIRST": "1", "ONECARD_SUPERVISOR__GRACE_S": "6", "ONECARD_GPU": "x",
-           "ONECARD_FOO__BAR": "1", "ONECARD_SUPERVISOR__": "1", "ONECARD_SERVICE_NAME": "detect"}
-    assert load_config(p, environ=env).supervisor.grace_s == 6
-    monkeypatch.setenv("ONECARD_SUPERVISOR__GRACE_S", "8")  # no environ given: the process's own
-    assert load_config(p).supervisor.grace_s == 8
+def test_duplicate_ports(tmp_path):
+    msg = error_of(write(tmp_path, BASE.replace("port = 7861", "port = 7862")), environ={})
+    assert "services.img2img.port: port 7862 is already used by services.detect.port" in msg
 
 
-def test_set_splits_at_the_first_equals_sign_and_refuses_empty_key_parts(tmp_path):
-    p = write(tmp_path, BASE)
-    cfg = load_config(p, sets=["services.detect.env.QUERY=a=b"], environ={})
-    assert cfg.services["detect"].env == {"QUERY": "a=b"}
-    for bad in ("services..port=1", "=1", ".x=1", "x.=1"):
-        assert error_of(p, sets=[bad], environ={}) == f"--set {bad!r}: expected key.path=value"
+def test_port_clash_with_probe_port(tmp_path):
+    msg = error_of(write(tmp_path, BASE.replace("port = 7861", "port = 7860")), environ={})
+    assert "already used by supervisor.health_port" in msg
 
 
-def test_setting_below_a_value_names_the_override_and_the_part(tmp_path):
-    p = write(tmp_path, BASE)
-    assert error_of(p, sets=["services.detect.port.x=1"], environ={}) == (
-        "--set services.detect.port.x: services.detect.port.x: 'port' is a value, not a table")
+def test_missing_model_path(tmp_path):
+    text = BASE + '\n[services.detect.settings]\nmodel_path = "/nonexistent/model.onnx"\n'
+    msg = error_of(write(tmp_path, text), environ={})
+    assert "services.detect.settings.model_path: no such file or directory: /nonexistent/model.onnx" in msg
 
 
-def test_file_problems_name_the_file_and_what_chose_it(tmp_path):
-    missing = tmp_path / "none.toml"
-    assert error_of(missing, environ={}) == f"{missing}: no such file"
-    assert error_of(missing, environ={}, origin="--config") == f"--config: {missing}: no such file"
-    assert error_of(tmp_path, environ={}) == f"{tmp_path}: is a directory, expected a TOML file"
-    bad = tmp_path / "latin1.toml"
-    bad.write_bytes(b'[gpu]\nvisible_devices = "caf\xe9"\n')
-    assert error_of(bad, environ={}).startswith(f"{bad}: cannot read: 'utf-8' codec can't decode byte 0xe9")
-    utf8 = write(tmp_path, BASE + '[services.detect.env]\nGREETING = "café ✓"\n', "utf8.toml")
-    assert load_config(utf8, environ={}).services["detect"].env["GREETING"] == "café ✓"
+def test_service_settings_are_checked_before_anything_starts(tmp_path):
+    text = BASE + '\n[services.img2img.settings]\nbackend = "diffusers"\nmax_steps = 5000\nbogus = 1\n'
+    msg = error_of(write(tmp_path, text), environ={})
+    assert "services.img2img.settings.max_steps: Input should be less than or equal to 1000, got 5000" in msg
+    assert "services.img2img.settings.bogus: unknown key" in msg
+    text = BASE + '\n[services.img2img.settings]\nbackend = "diffusers"\n'
+    msg = error_of(write(tmp_path, text), environ={})
+    assert "services.img2img.settings: Value error, backend 'diffusers' needs model_path" in msg
 
 
-def test_without_a_file_the_defaults_are_named_and_overrides_alone_can_make_a_config():
-    assert error_of(None, environ={}) == "<defaults>: services: expected at least one enabled service"
-    cfg = load_config(None, sets=['services.w.command=["sleep", "1"]', "services.w.port=7870"], environ={})
-    assert cfg.services["w"].command == ["sleep", "1"]
+def test_drain_is_nested_below_grace(tmp_path):
+    from supervisor.config.derived import drain_of, termination_grace_min
+    cfg = load_config(write(tmp_path, BASE), environ={})
+    assert drain_of(cfg, "detect") == 3.0 and cfg.supervisor.grace_s == 5  # 5 - min(2, 2.5)
+    assert termination_grace_min(cfg) > cfg.supervisor.grace_s > drain_of(cfg, "detect")
+    msg = error_of(write(tmp_path, BASE.replace("grace_s = 5", "grace_s = 5\ndrain_s = 5")), environ={})
+    assert "supervisor.drain_s: 5 s must be below supervisor.grace_s (5 s)" in msg
+    msg = error_of(write(tmp_path, BASE + "drain_s = 9\n"), environ={})
+    assert "services.img2img.drain_s: 9 s must be below supervisor.grace_s" in msg
+    cfg = load_config(write(tmp_path, BASE.replace("grace_s = 5", "grace_s = 1")), environ={})
+    assert drain_of(cfg, "detect") == 0.5
 
 
-def test_every_validation_error_is_one_line_naming_its_origin(tmp_path):
-    p = write(tmp_path, "[services.detect]\napp = \"services.detect.app:create_app\"\n")
-    assert error_of(p, sets=["supervisor.grace_s=0"], environ={}) == (
-        "--set supervisor.grace_s: supervisor.grace_s: Input should be greater than 0, got 0\n"
-        f"{p}: services.detect.port: required key is missing")
+def test_byte_budgets_are_judged_against_the_visible_card(tmp_path):
+    sizes = {"0": 16 * 2**30, "1": 80 * 2**30}
+    text = BASE.replace("port = 7862", f"port = 7862\ngpu_memory_bytes = {20 * 2**30}")
+    p = write(tmp_path, text + '\n[gpu]\nvisible_devices = "1"\n')
+    load_config(p, environ={}, gpu_total_bytes=lambda devices: sizes[devices])  # 20 of 80 GiB: fine
+    p = write(tmp_path, text + '\n[gpu]\nvisible_devices = "0"\n')
+    assert "budgets add up to 1.25" in error_of(p, environ={}, gpu_total_bytes=lambda d: sizes[d])
 
 
 def test_a_rule_across_keys_blames_the_override_that_broke_it(tmp_path):
@@ -175,35 +164,6 @@ def test_a_service_package_without_a_settings_model_is_not_checked(tmp_path, mon
     monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))
     text = '[services.mine]\napp = "outer.inner.app:create_app"\nport = 7870\n[services.mine.settings]\nx = 1\n'
     assert load_config(write(tmp_path, text), environ={}).services["mine"].settings == {"x": 1}
-
-
-def test_a_missing_required_key_says_so(tmp_path):
-    p = write(tmp_path, '[services.w]\ncommand = ["x"]\n')
-    assert error_of(p, environ={}) == f"{p}: services.w.port: required key is missing"
-
-
-def test_the_file_is_read_as_utf_8_whatever_the_locale(tmp_path):
-    """TOML is UTF-8; a supervisor started under a non-UTF-8 locale (plain C, coercion and
-    UTF-8 mode off) still reads it."""
-    p = write(tmp_path, BASE + '[services.detect.env]\nGREETING = "café"\n')
-    assert load_config(p, environ={}).services["detect"].env["GREETING"] == "café"
-    env = {"PATH": os.environ.get("PATH", ""), "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0",
-           "PYTHONPATH": str(ROOT), **{k: v for k, v in os.environ.items() if k.startswith("MUTANT")}}
-    code = ("import locale, sys; from supervisor.config import load_config\n"
-            "assert locale.getpreferredencoding(False).lower() in ('ansi_x3.4-1968', 'ascii'), "
-            "locale.getpreferredencoding(False)\n"
-            f"print(load_config({str(p)!r}, environ={{}}).services['detect'].env['GREETING'] == 'caf\\xe9')")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          encoding="utf-8", timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "True"
-
-
-def test_a_nested_service_setting_is_named_by_its_full_path(tmp_path):
-    text = ('[services.jobs]\napp = "services.jobs.app:create_app"\nport = 7863\n'
-            '[services.jobs.settings.queue]\nbogus = 1\n')
-    p = write(tmp_path, text)
-    assert error_of(p, environ={}) == f"{p}: services.jobs.settings.queue.bogus: unknown key"
 
 
 def test_several_rules_across_keys_are_one_line_each(tmp_path):

@@ -18,7 +18,7 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from supervisor.config import Config
+from supervisor.config.schema import Config
 from tests.harness import ROOT
 
 CONFIG = tomllib.loads((ROOT / "configs" / "gpu.toml").read_text())

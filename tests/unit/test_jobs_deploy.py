@@ -17,9 +17,10 @@ import pytest
 import yaml
 
 from services.jobs.settings import JobsSettings
-from supervisor.config import Config, drain_of, termination_grace_min
-from supervisor.cpuquota import CpuQuota
-from supervisor.plan import plan_threads
+from supervisor.config.derived import drain_of, termination_grace_min
+from supervisor.config.schema import Config
+from supervisor.policy.plan import CpuQuota
+from supervisor.policy.plan import plan_threads
 from tests.harness import ROOT
 from tests.unit.test_deploy_manifests import STEPS, args_of, env_of, package_version
 

@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from services.jobs.settings import JobsSettings
-from supervisor.config import load_config
-from supervisor.cpuquota import CpuQuota
-from supervisor.plan import build_plan
+from supervisor.config.loading import load_config
+from supervisor.policy.plan import CpuQuota
+from supervisor.policy.plan import build_plan
 from tests.harness import ROOT, SupervisorRun, free_port
 from tests.redis_server import RedisServer, redis_binary
 from tests.unit.test_jobs_deploy import (DOCS, POD_NAME, POOLS, REDIS, SCALERS, SECRET, container, cpu_quota, pod,

@@ -1,0 +1,134 @@
+"""The probe port: a tiny HTTP/1.1 server for orchestrator probes (/healthz, /readyz,
+/metrics) and nothing else.
+
+It is what the network reaches, so it must answer a kubelet at once whatever other clients
+do: a bounded number of connections (`health_max_clients`) where idle ones make room for
+newcomers (connection_slots.py), a deadline for the whole request head
+(`health_idle_timeout_s`, never reset by a trickle of bytes), a head of at most 8 KiB (431
+past it), and every error in the JSON envelope ``{"error": {"code": ..., "message": ...}}``
+(the HTTP pieces: common/http1.py). By default it listens on
+every interface, IPv4 and IPv6, so that the orchestrator reaches it on the pod's IP
+whatever family the cluster uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+from collections.abc import Callable
+
+from common import http1
+from supervisor.config.settings import SupervisorSettings
+from supervisor.servers.connection_slots import Slots
+
+BACKLOG = 1024
+ALL_INTERFACES = ("", "*")
+ALLOW = (("Allow", "GET, HEAD"),)
+
+Route = Callable[[], http1.Answer]
+
+
+class ProbePortError(Exception):
+    """The probe port cannot be opened; `taken` when another process holds it."""
+
+    def __init__(self, message: str, taken: bool = False):
+        super().__init__(message)
+        self.taken = taken
+
+
+class ProbePortServer:
+    """``routes`` maps a path to a function returning its answer; its address and limits are
+    the ``health_*`` settings (a new limit is a key there and its use here)."""
+
+    def __init__(self, settings: SupervisorSettings, routes: dict[str, Route],
+                 on_refused: Callable[[int], None] = lambda n: None):
+        self.host, self.port, self.routes = settings.health_host, settings.health_port, routes
+        self.on_refused = on_refused
+        self.idle_timeout_s = settings.health_idle_timeout_s
+        self.slots = Slots(settings.health_max_clients)
+        self._server: asyncio.AbstractServer | None = None
+
+    @property
+    def max_clients(self) -> int:
+        return self.slots.limit
+
+    @property
+    def refused(self) -> int:
+        return self.slots.closed_early
+
+    def where(self) -> str:
+        return f"every interface, port {self.port}" if self.host in ALL_INTERFACES else f"{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        host = None if self.host in ALL_INTERFACES else self.host
+        try:
+            self._server = await asyncio.start_server(self._handle, host, self.port, reuse_address=True,
+                                                      limit=http1.MAX_HEAD, backlog=BACKLOG)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                from supervisor.system.ports import port_holder
+                holder = await asyncio.to_thread(port_holder, self.port)
+                raise ProbePortError(f"supervisor.health_port: port {self.port} on {self.where()} is taken"
+                                     + (f" by {holder}" if holder else ""), taken=True) from None
+            if host is None:  # no IPv6 here: IPv4 alone is every interface there is
+                self.host = "0.0.0.0"
+                return await self.start()
+            raise ProbePortError(f"cannot listen on {self.where()} for probes: {exc}") from None
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+            except TimeoutError:
+                pass
+            self._server = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        before = self.refused
+        if not self.slots.admit(writer):
+            self.on_refused(self.refused)
+            writer.transport.abort()
+            return
+        if self.refused != before:  # an idle one made room
+            self.on_refused(self.refused)
+        try:
+            answer, method = await self._answer(reader, writer)
+            if answer is not None:
+                await http1.send_answer(writer, answer, timeout_s=self.idle_timeout_s, head_only=method == "HEAD")
+        except (ConnectionError, OSError, TimeoutError):
+            pass
+        finally:
+            self.slots.leave(writer)
+            writer.close()
+
+    async def _answer(self, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> tuple[http1.Answer | None, str]:
+        """The answer and the request's method; no answer for a client that sent nothing."""
+        try:
+            head = await http1.read_head(reader, timeout_s=self.idle_timeout_s,
+                                         on_first_bytes=lambda: self.slots.started(writer))
+        except http1.HeadTooLarge:
+            return http1.error_answer(431, "headers_too_large",
+                                      f"the request head is over {http1.MAX_HEAD} bytes"), "GET"
+        except http1.HeadTimeout as exc:
+            if exc.started:  # a started request: say why it ends (an idle connection just closes)
+                return http1.error_answer(408, "request_timeout",
+                                          f"no complete request within {self.idle_timeout_s:g} s"), "GET"
+            return None, ""
+        except asyncio.IncompleteReadError:
+            return None, ""
+        self.slots.working(writer)
+        try:
+            request = http1.parse_request_line(head)
+        except http1.BadRequestLine as exc:
+            return http1.error_answer(400, "bad_request", str(exc)), "GET"
+        method = request.method
+        if method not in ("GET", "HEAD"):
+            return http1.error_answer(405, "method_not_allowed", f"{method[:16]} is not allowed here; use GET or HEAD",
+                                      ALLOW), "GET"
+        route = self.routes.get(request.path)
+        if route is None:
+            known = ", ".join(sorted(self.routes))
+            return http1.error_answer(404, "not_found", f"this port answers only {known}"), method
+        return route(), method
