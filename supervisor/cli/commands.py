@@ -206,10 +206,10 @@ def jobs_redrive(
             typer.echo(resp.read().decode(errors="replace"))
     except urllib.error.HTTPError as exc:
         typer.echo(exc.read().decode(errors="replace") or f"HTTP {exc.code}", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     except (urllib.error.URLError, OSError) as exc:
         typer.echo(f"onecard jobs redrive: no jobs API answers at {base}: {exc}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
 
 
 def main() -> None:

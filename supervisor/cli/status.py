@@ -181,9 +181,27 @@ def render_table(doc: dict[str, Any]) -> str:
     if dropped:
         lines.append(f"logs  {dropped} lines dropped (stdout did not keep up)")
     for s in doc.get("services", []):
+        if isinstance(s.get("batching"), dict):
+            lines.append(f"batching {s['name']}  {_batching_line(s['batching'])}")
+    for s in doc.get("services", []):
         if isinstance(s.get("jobs"), dict):
             lines.append(f"jobs {s['name']}  {_jobs_line(s['jobs'])}")
     return "\n".join(lines)
+
+
+def _batching_line(b: dict[str, Any]) -> str:
+    """policy, what it chose, what it waited, the learned curve, the memory held against its budget."""
+    parts = [str(b.get("policy") or "-")]
+    if b.get("batches"):
+        parts.append(f"{b['batches']} calls of {_num(b.get('mean_batch_size'), '{:.2f}')} items")
+    parts.append(f"waited {_num(b.get('waited_s'), '{:.2f}')} s")
+    if b.get("fixed_ms") is not None:
+        parts.append(f"curve {b['fixed_ms']:.1f} ms + {_num(b.get('per_extra_item_ms'), '{:.1f}')} ms an item")
+    if b.get("held_budget_bytes"):
+        parts.append(f"held {_mib(b.get('held_bytes'))} of {_mib(b['held_budget_bytes'])}")
+    if b.get("refused_for_memory"):
+        parts.append(f"{b['refused_for_memory']} refused for memory")
+    return ", ".join(parts)
 
 
 def _jobs_line(jobs: dict[str, Any], width: int = 100) -> str:

@@ -37,6 +37,7 @@ class ChildProcess:
     tail: Tail = field(default_factory=Tail)
     stats: dict[str, Any] = field(default_factory=dict)  # what the service reports on /stats
     jobs: dict[str, Any] | None = None  # the service's /stats "jobs" section, passed through
+    batching: dict[str, Any] | None = None  # a model service's batching and cost figures (service_watch)
     history: list[tuple[ChildState, ChildEvent, ChildState]] = field(default_factory=list)
 
     @property

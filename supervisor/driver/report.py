@@ -78,6 +78,7 @@ def _service(child: ChildProcess, view: UnitView) -> dict[str, Any]:
         "drain_s": child.plan.drain_s,
         "killed": child.killed,
         "jobs": child.jobs,
+        "batching": child.batching,
     }
 
 

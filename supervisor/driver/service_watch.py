@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from supervisor.driver.child import ChildProcess
 from supervisor.driver.child_probe import ChildProber, ProbeResult
@@ -167,3 +168,26 @@ def absorb_stats(child: ChildProcess, result: ProbeResult) -> None:
         child.jobs = jobs
     else:
         child.jobs = None
+    child.batching = batching_summary(doc.get("batching"))
+
+
+def _figure(value: Any) -> float | int | None:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def batching_summary(doc: Any) -> dict[str, Any] | None:
+    """The few figures of a model service's batching and cost model worth a status line: the
+    policy, the batches it chose, the time it waited, the learned curve, the memory held."""
+    if not isinstance(doc, dict):
+        return None
+    cost = doc.get("cost") if isinstance(doc.get("cost"), dict) else {}
+    time_model = cost.get("time") if isinstance(cost.get("time"), dict) else {}
+    budgets = cost.get("budgets") if isinstance(cost.get("budgets"), dict) else {}
+    policy = doc.get("policy")
+    return {"policy": policy if isinstance(policy, str) and len(policy) <= 16 else None,
+            "batches": _figure(doc.get("batches")), "mean_batch_size": _figure(doc.get("mean_batch_size")),
+            "waited_s": _figure(doc.get("waited_s")), "fixed_ms": _figure(time_model.get("fixed_ms")),
+            "per_extra_item_ms": _figure(time_model.get("per_extra_item_ms")),
+            "held_bytes": _figure(cost.get("held_bytes")), "held_budget_bytes": _figure(budgets.get("held_bytes")),
+            "call_budget_bytes": _figure(budgets.get("batch_bytes")),
+            "refused_for_memory": _figure(cost.get("refused_for_memory"))}

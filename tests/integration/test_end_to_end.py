@@ -62,8 +62,13 @@ def test_default_config_serves_both_and_status_shows_them(tmp_path):
         for s in by_name.values():
             assert s["state"] == "ready" and s["served"] == 1
             assert s["queue_depth"] == 0 and s["latency_p50_ms"] > 0
+            # the batching policy, what it chose and its learned cost curve, from the service's /stats
+            b = s["batching"]
+            assert b["policy"] == "auto" and b["batches"] == 1 and b["mean_batch_size"] == 1
+            assert b["fixed_ms"] > 0 and b["per_extra_item_ms"] >= 0 and b["held_budget_bytes"] > 0
         table = run.status().stdout
         assert "detect" in table and "img2img" in table
+        assert "batching img2img  auto, 1 calls of 1.00 items, waited " in table and " ms an item" in table
         _a_job_works(run)
         run.signal(signal.SIGTERM)
         assert run.wait_exit(30) == 0
