@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine with python3 (3.11+) and pip:
 #   ./dev.sh run [onecard run options]   the supervisor with configs/default.toml
-#   ./dev.sh test [pytest options]       the test suite, one worker per core (needs redis-server: installed if missing)
+#   ./dev.sh test [pytest options]       the test suite, one worker per core (needs redis-server and
+#                                        prometheus: Debian's packages, installed if missing)
 #   ./dev.sh sample [PATH]               write a real photo to try the services with (sample.jpg)
 #   ./dev.sh lint-deploy                 hadolint, kubernetes-validate and checkov on deploy/
 #   ./dev.sh setup                       only build .venv
@@ -68,6 +69,21 @@ ensure_redis() {
     apt-get install redis-server (as root), or put a redis-server binary on PATH"
 }
 
+ensure_prometheus() {
+    command -v promtool >/dev/null && command -v prometheus >/dev/null && return
+    # The metrics, dashboard and alert tests lint with promtool and start a real Prometheus
+    # on a free port (never a system service); without recommends: no node exporter.
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        step "installing Debian's prometheus (promtool and the server, for the metrics and alert tests)"
+        if apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+                prometheus >&2; then
+            command -v promtool >/dev/null && command -v prometheus >/dev/null && return
+        fi
+    fi
+    die "prometheus is not installed and could not be installed here; the metrics and alert tests need it:
+    apt-get install prometheus (as root), or put prometheus and promtool binaries on PATH"
+}
+
 write_sample() {
     local out="${1:-$SAMPLE}"
     # a PATH given on the command line is relative to where dev.sh was called from
@@ -122,6 +138,7 @@ case "$cmd" in
         ;;
     test)
         ensure_redis
+        ensure_prometheus
         setup
         # one worker per core, a test file per worker (its module fixtures start services
         # once); pass -n yourself to choose (-n 0: one process)
