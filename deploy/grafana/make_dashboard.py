@@ -24,7 +24,8 @@ RATE = "$__rate_interval"
 U = 'instance=~"$unit:[0-9]+"'
 # gives a service's series their service's name (the services' own metrics carry none)
 SVC = 'on (job, instance) group_left (service) onecard_build_info{service=~"$service"}'
-MODEL = f'{U}, route!="unmatched"'  # the service's port answers /metrics as route "unmatched"
+# requests for no route (a scanner's 404s) are not the service's traffic
+MODEL = f'{U}, route!="unmatched"'
 
 
 def per_service(expr: str, by: str = "service") -> str:

@@ -172,7 +172,7 @@ def test_every_panel_shows_the_unit_under_load(unit):
     # what the panels show is the unit's figures
     rate = by(results[("Request rate by service and route", "A")], "service", "route")
     assert rate[("detect", "/api/v1/facedetect")] > 0 and rate[("img2img", "/api/v1/img2img")] > 0
-    assert rate[("img2img", "/info")] > 0 and all(route != "unmatched" for _, route in rate)  # not the scrapes
+    assert rate[("img2img", "/info")] > 0 and all(route != "unmatched" for _, route in rate)
     statuses = by(results[("Answers by status", "A")], "service", "status")
     assert statuses[("detect", "415")] > 0 and statuses[("detect", "200")] > 0
     stages = by(results[("Mean time per stage (decode, queue, infer, encode)", "A")], "service", "stage")
