@@ -42,6 +42,19 @@ def binary(name: str) -> str:
     return path
 
 
+def rules_without_for(rules: Path, tmp: Path) -> Path:
+    """A copy of a rules file with every `for:` at 0 s: an end-to-end test checks the
+    expressions against a real unit without waiting minutes (promtool's unit tests cover
+    the durations)."""
+    doc = yaml.safe_load(rules.read_text())
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            rule["for"] = "0s"
+    path = tmp / f"{rules.stem}-for-0s.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
 def promtool(*args: str, input: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([binary("promtool"), *args], input=input, capture_output=True, text=True,
                           timeout=timeout)

@@ -22,14 +22,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 from tests.harness import ROOT, SupervisorRun, free_port
 from tests.images import small_png
-from tests.prometheus_server import PrometheusServer
+from tests.prometheus_server import PrometheusServer, rules_without_for
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "onecard.json"
-RULES = ROOT / "deploy" / "prometheus" / "onecard-rules.yaml"
+RULES = ROOT / "deploy" / "prometheus" / "onecard-rules.yaml"  # `for:` set to 0 s here
 FAKE_NVML = ROOT / "tests" / "children" / "fake_nvml"
 DETECT_MAX_QUEUE = 4
 # Grafana's $__rate_interval for a 1 s scrape is 4 s; a wider window keeps a quiet second of
@@ -60,18 +59,6 @@ class DefaultUnit(SupervisorRun):
 
     def targets(self) -> list[str]:
         return [f"127.0.0.1:{p}" for p in (self.health_port, *self.ports.values())]
-
-
-def fast_rules(tmp: Path) -> Path:
-    """The shipped rules with every `for:` at 0 s: the expressions are what is tested here
-    (the promtool unit tests cover the durations)."""
-    doc = yaml.safe_load(RULES.read_text())
-    for group in doc["groups"]:
-        for rule in group["rules"]:
-            rule["for"] = "0s"
-    path = tmp / "rules-for-0s.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
 
 
 class Load:
@@ -132,7 +119,7 @@ def unit(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("observed")
     with DefaultUnit(tmp) as run:
         run.wait_ready(timeout=240)
-        with PrometheusServer(tmp, {"onecard": run.targets()}, rule_files=[fast_rules(tmp)]) as prom:
+        with PrometheusServer(tmp, {"onecard": run.targets()}, rule_files=[rules_without_for(RULES, tmp)]) as prom:
             prom.wait_for("every target scraped", lambda: set(prom.targets_up().values()) == {"up"})
             yield run, prom
 
