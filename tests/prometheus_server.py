@@ -79,10 +79,9 @@ class PrometheusServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 30.0) -> "PrometheusServer":
+        # flags that Prometheus 2.x and 3.x both take
         args = [binary("prometheus"), f"--config.file={self.config}", f"--storage.tsdb.path={self.dir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle",
-                # the UI's assets are not needed, and the console templates may not be installed
-                f"--web.console.templates={self.dir}", f"--web.console.libraries={self.dir}"]
+                f"--web.listen-address=127.0.0.1:{self.port}"]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(args, cwd=self.dir, stdin=subprocess.DEVNULL, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
