@@ -1,6 +1,6 @@
 """The benchmarks' figures as pictures: bench/results/*.json -> PNGs (docs/img/ by default).
 
-    .venv/bin/python -m bench.batching_bench --duration 5    # writes bench/results/batching.json
+    .venv/bin/python -m bench.batching_bench --duration 10   # writes bench/results/batching.json
     .venv/bin/python -m bench.plots                          # writes docs/img/*.png
 
 What it draws, from the result files that exist (the others are skipped):
