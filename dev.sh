@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine with python3 (3.11+) and pip:
 #   ./dev.sh run [onecard run options]   the supervisor with configs/default.toml
-#   ./dev.sh test [pytest options]       the test suite, one worker per core (needs redis-server: installed if missing)
+#   ./dev.sh test [pytest options]       the test suite, one worker per core (needs redis-server and
+#                                        prometheus: Debian's packages, installed if missing)
 #   ./dev.sh sample [PATH]               write a real photo to try the services with (sample.jpg)
 #   ./dev.sh lint-deploy                 hadolint, kubernetes-validate and checkov on deploy/
 #   ./dev.sh setup                       only build .venv
@@ -68,6 +69,21 @@ ensure_redis() {
     apt-get install redis-server (as root), or put a redis-server binary on PATH"
 }
 
+ensure_prometheus() {
+    command -v promtool >/dev/null && command -v prometheus >/dev/null && return
+    # The metrics, dashboard and alert tests lint with promtool and start a real Prometheus
+    # on a free port (never a system service); without recommends: no node exporter.
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        step "installing Debian's prometheus (promtool and the server, for the metrics and alert tests)"
+        if apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+                prometheus >&2; then
+            command -v promtool >/dev/null && command -v prometheus >/dev/null && return
+        fi
+    fi
+    die "prometheus is not installed and could not be installed here; the metrics and alert tests need it:
+    apt-get install prometheus (as root), or put prometheus and promtool binaries on PATH"
+}
+
 write_sample() {
     local out="${1:-$SAMPLE}"
     # a PATH given on the command line is relative to where dev.sh was called from
@@ -92,15 +108,18 @@ lint_deploy() {
     fi
     step "hadolint deploy/Dockerfile"
     "$lint/bin/hadolint" deploy/Dockerfile
-    local manifests=(deploy/kubernetes.yaml deploy/jobs-kubernetes.yaml) out
-    # KEDA's kinds have no schema offline (a warning, not a failure); a core kind without one
-    # (a mistyped apiVersion) would pass the same way, so that is made a failure here.
-    step "kubernetes-validate --strict ${manifests[*]} (KEDA's ScaledObject and TriggerAuthentication have no schema offline)"
+    local manifests=(deploy/kubernetes.yaml deploy/jobs-kubernetes.yaml deploy/prometheus-rule.yaml) out
+    # KEDA's kinds and the Prometheus Operator's PrometheusRule have no schema offline (a
+    # warning, not a failure); a core kind without one (a mistyped apiVersion) would pass the
+    # same way, so that is made a failure here. The PrometheusRule's rules are checked by
+    # promtool in the test suite (tests/unit/test_alert_rules.py).
+    step "kubernetes-validate --strict ${manifests[*]} (KEDA's ScaledObject and TriggerAuthentication, and PrometheusRule, have no schema offline)"
     out="$("$lint/bin/kubernetes-validate" --strict "${manifests[@]}" 2>&1)" \
         || { printf '%s\n' "$out" >&2; die "kubernetes-validate failed (above)"; }
     printf '%s\n' "$out"
-    if grep "Couldn't find schema" <<<"$out" | grep -v "api version keda\.sh/"; then
-        die "kubernetes-validate could not check the resources above: only KEDA's may go unchecked"
+    if grep "Couldn't find schema" <<<"$out" | grep -v "api version keda\.sh/" \
+            | grep -v "kind PrometheusRule with api version monitoring\.coreos\.com/"; then
+        die "kubernetes-validate could not check the resources above: only KEDA's and the PrometheusRule may go unchecked"
     fi
     # one run per file, so that each prints its own figures
     for manifest in "${manifests[@]}"; do
@@ -122,6 +141,7 @@ case "$cmd" in
         ;;
     test)
         ensure_redis
+        ensure_prometheus
         setup
         # one worker per core, a test file per worker (its module fixtures start services
         # once); pass -n yourself to choose (-n 0: one process)

@@ -1,17 +1,18 @@
 """Each service's /metrics is a valid Prometheus exposition with the families operators
-rely on: parsed by prometheus_client's parser with our own lint rules everywhere, and
-checked by `promtool check metrics` where promtool is installed (Debian: `prometheus`)."""
+rely on: parsed by prometheus_client's parser with our own lint rules, and checked by
+`promtool check metrics` (Debian's `prometheus`, which ./dev.sh installs: a missing
+promtool fails these tests, it never skips them)."""
 
 from __future__ import annotations
-
-import shutil
-import subprocess
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.harness import SupervisorRun, fake_service
 from tests.images import small_png
+from tests.jobs_harness import TARGET_APP, Unit, start_units
+from tests.prometheus_server import promtool
 from tests.service_harness import ServiceProcess
 
 SERVICES = {
@@ -83,11 +84,30 @@ def test_the_exposition_parses_cleanly_and_has_the_operator_families(exposition)
     assert build and build[0].value == 1 and build[0].labels["service"]
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed (Debian: prometheus)")
 def test_promtool_accepts_the_exposition(exposition):
     _, _, text = exposition
-    r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+    r = promtool("check", "metrics", input=text, timeout=30)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_supervisor_and_jobs_expositions_are_clean_too(tmp_path):
+    """The other two kinds of target a unit has: the supervisor's probe port, the jobs service."""
+    texts = {}
+    with SupervisorRun(tmp_path, {"a": fake_service()}) as run:
+        run.wait_ready()
+        texts["supervisor"] = httpx.get(f"http://127.0.0.1:{run.health_port}/metrics").text
+    unit = Unit(tmp_path, "lint", targets={"scripted": (TARGET_APP, {"model": "m1"})})
+    try:
+        start_units(unit)
+        unit.submit("scripted", "/api/v1/work", body={"tag": "lint"})
+        texts["jobs"] = unit.api.get("/metrics").text
+    finally:
+        unit.stop()
+    for name, text in texts.items():
+        assert lint(text) == [], name
+        r = promtool("check", "metrics", input=text, timeout=30)
+        assert r.returncode == 0, f"{name}: {r.stdout}{r.stderr}"
+    assert "onecard_ready" in texts["supervisor"] and "onecard_jobs_stream_lag" in texts["jobs"]
 
 
 # ---- the OpenAPI document ------------------------------------------------------------
