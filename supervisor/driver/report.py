@@ -8,6 +8,7 @@ are only ever added) and documented in the README.
 from __future__ import annotations
 
 import platform
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,11 +143,16 @@ def _family(out: list[str], name: str, kind: str, help_text: str,
         out.append(f"{name}{{{label_text}}} {value}" if labels else f"{name} {value}")
 
 
+_STARTED_AT = time.time()  # this process's start, read once: a restart shows as a new value
+
+
 def metrics_text(view: UnitView) -> str:
     """Prometheus text exposition (format 0.0.4): services, GPU, CPU, the supervisor itself."""
     kids = view.children
     sample = view.sample
     out: list[str] = []
+    _family(out, "process_start_time_seconds", "gauge", "Start time of the supervisor since the epoch, in seconds.",
+            [({}, f"{_STARTED_AT:.3f}")])
     _family(out, "onecard_build_info", "gauge", "Version of onecard and of Python; always 1.",
             [({"version": version(), "python": platform.python_version()}, 1)])
     _family(out, "onecard_service_up", "gauge", "1 while the service process is alive.",

@@ -20,7 +20,7 @@ STATUS_KEYS = {"name", "pid", "host", "port", "state", "ready", "uptime_s", "exi
                "gpu_memory_bytes", "gpu_memory_source", "queue_depth", "in_flight", "served", "errors",
                "latency_p50_ms", "latency_p99_ms",
                # added after version 1 shipped (keys are only ever added)
-               "drain_s", "killed", "jobs"}
+               "drain_s", "killed", "jobs", "batching"}
 
 
 def test_status_table_json_and_exit_codes(tmp_path):
@@ -88,6 +88,10 @@ def test_probe_port_healthz_and_metrics(tmp_path):
             assert f'onecard_service_cpu_seconds_total{{service="{name}"}}' in text
             assert f'onecard_service_rss_bytes{{service="{name}"}}' in text
         assert "onecard_ready 1" in text
+        # when this supervisor started (a restart shows as a new value), the same at every scrape
+        started = float(text.split("\nprocess_start_time_seconds ")[1].split()[0])
+        assert abs(started - time.time()) < 120
+        assert http_get(run.health_port, "/metrics")[1].decode().count(f"process_start_time_seconds {started:.3f}") == 1
 
 
 def test_stale_socket_from_a_dead_supervisor_is_replaced(tmp_path):
