@@ -167,8 +167,10 @@ def hwm(pid: int) -> int:
 def test_counts_and_products_are_refused_before_anything_is_decoded(unit):
     port = unit.ports["img2img"]
     bomb = b64(I.flat_png(6324, 6324))
-    s, body = post(port, WEBUI, json.dumps({"init_images": [bomb] * 64, "steps": 2}).encode(), "application/json")
-    assert (s, code(body)) == (422, "invalid_parameter"), body[:300]
+    for count, batch in ((64, 1), (8, 4)):  # more pictures than batch_size: refused from the count alone
+        s, body = post(port, WEBUI, json.dumps({"init_images": [bomb] * count, "batch_size": batch, "steps": 2})
+                       .encode(), "application/json")
+        assert (s, code(body)) == (422, "invalid_parameter"), (count, batch, body[:300])
     s, body = post(port, WEBUI, json.dumps({"init_images": [bomb], "batch_size": 16, "width": 6320, "height": 6320,
                                             "denoising_strength": 0}).encode(), "application/json")
     assert (s, code(body)) == (413, "too_costly"), body[:300]
