@@ -25,11 +25,24 @@ def head(method: str, path: str, headers: dict[str, str] | None = None, body_len
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
-def _read_answer(s: socket.socket, deadline: float, keep_body: bool) -> tuple[int | None, bytes, str | None]:
-    data = bytearray()
-    length = None
-    head_end = -1
-    while True:
+def _read_answer(s: socket.socket, deadline: float, keep_body: bool,
+                 start: bytes = b"") -> tuple[int | None, bytes, str | None]:
+    """Status and body of one answer (read until its Content-Length, or the close). Without
+    keep_body only the first 4 kB of the body are kept: big answers are counted, not held."""
+    data = bytearray(start)
+    head_end, length, body_bytes = -1, None, 0
+
+    def parse_head() -> None:
+        nonlocal head_end, length, body_bytes
+        head_end = data.find(b"\r\n\r\n")
+        if head_end >= 0:
+            for line in bytes(data[:head_end]).split(b"\r\n")[1:]:
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":", 1)[1])
+            body_bytes = len(data) - head_end - 4
+
+    parse_head()
+    while not (head_end >= 0 and length is not None and body_bytes >= length):
         left = deadline - time.monotonic()
         if left <= 0:
             return _status(data), b"", "timeout"
@@ -42,18 +55,13 @@ def _read_answer(s: socket.socket, deadline: float, keep_body: bool) -> tuple[in
             return _status(data), b"", type(exc).__name__
         if not chunk:
             break
-        data += chunk
         if head_end < 0:
-            head_end = data.find(b"\r\n\r\n")
-            if head_end >= 0:
-                for line in bytes(data[:head_end]).split(b"\r\n")[1:]:
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":", 1)[1])
-        if head_end >= 0 and length is not None and len(data) - head_end - 4 >= length:
-            break
-        if not keep_body and head_end >= 0 and len(data) > head_end + 4 + 4096:
-            del data[head_end + 4 + 4096:]  # keep memory flat on big answers: count them only
-            length = None if length is None else length  # noqa: PLW0127
+            data += chunk
+            parse_head()
+        else:
+            body_bytes += len(chunk)
+            if keep_body or len(data) < head_end + 4 + 4096:
+                data += chunk
     body = bytes(data[head_end + 4:]) if head_end >= 0 else b""
     return _status(data), body, None
 
@@ -189,9 +197,11 @@ def trickle(port: int, first: bytes, piece: bytes, every_s: float, stop: threadi
             while not stop.is_set() and sent < max_bytes:
                 try:
                     got = s.recv(65536)
-                    status = _status(got) if got else None
-                    return {"status": status, "body": got, "error": None if got else "closed", "sent": sent,
-                            "s": time.monotonic() - t0}
+                    if not got:
+                        return {"status": None, "body": b"", "error": "closed", "sent": sent, "s": time.monotonic() - t0}
+                    s.setblocking(True)
+                    status, body, err = _read_answer(s, time.monotonic() + 5, True, got)
+                    return {"status": status, "body": body, "error": err, "sent": sent, "s": time.monotonic() - t0}
                 except BlockingIOError:
                     pass
                 s.setblocking(True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import socket
 import struct
 import sys
@@ -74,7 +75,11 @@ def probe_once(host: str, port: int, path: str, timeout: float,
                         break
         if not data.startswith(b"HTTP/1."):
             return None, "no answer" if not data else "not HTTP"
-        return int(data.split(b" ", 2)[1]), None
+        status = int(data.split(b" ", 2)[1])
+        if status >= 400:  # the error code says which limit refused it
+            found = re.search(rb'"code":\s*"([a-z_]+)"', data)
+            return status, found.group(1).decode() if found else None
+        return status, None
     except socket.timeout:
         return None, "timeout"
     except OSError as exc:

@@ -245,7 +245,7 @@ class Window:
             rows = [r for r in legit if by_port.get(r["port"]) == name]
             statuses: dict[str, int] = {}
             for r in rows:
-                key = str(r["status"] or r["error"])
+                key = str(r["status"] or r["error"]) + (f" {r['error']}" if r["status"] and r["error"] else "")
                 statuses[key] = statuses.get(key, 0) + 1
             ms = [r["ms"] for r in rows]
             legit_out[name] = {"n": len(rows), "statuses": statuses, "p50_ms": pct(ms, 50),
