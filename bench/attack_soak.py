@@ -38,6 +38,8 @@ RSS_BACK_MIB = 64          # "back near its start": within this, or within 10 %
 
 
 def budgets(u: Unit) -> dict[str, float | None]:
+    """Each service's host memory budget (MiB): what /info says, else what the supervisor
+    planned for it (ONECARD_MEMORY_BUDGET_BYTES in its environment: the jobs service)."""
     out: dict[str, float | None] = {}
     for name in SERVICES:
         r = request(u.ports[name], "GET", "/info", timeout=10)
@@ -46,6 +48,13 @@ def budgets(u: Unit) -> dict[str, float | None]:
             out[name] = round(b["service_bytes"] / MIB, 1) if b.get("service_bytes") else None
         except (ValueError, KeyError, TypeError, AttributeError):
             out[name] = None
+        if out[name] is None:
+            try:
+                env = open(f"/proc/{u.pids[name]}/environ", "rb").read().split(b"\0")
+                planned = next(v for v in env if v.startswith(b"ONECARD_MEMORY_BUDGET_BYTES="))
+                out[name] = round(int(planned.split(b"=", 1)[1]) / MIB, 1)
+            except (OSError, StopIteration, ValueError, KeyError):
+                pass
     return out
 
 
@@ -116,7 +125,7 @@ def print_table(rows: list[dict], limits: dict) -> None:
                  for r in rows],
                 ("attack", "5xx", "unit", "probe fail", "healthz p99 d/i/j ms", "max ms", "legit (status x n @max)",
                  "peak RSS d/i/j MiB", "cgroup peak", "RSS after-before", "log B")))
-    print(f"\nbudgets (MiB, /info): {limits}")
+    print(f"\nbudgets (MiB; /info, else the supervisor's plan): {limits}")
     for r in rows:
         flags = verdict(r, limits)
         print(f"- {r['name']}: {'OK' if not flags else 'FAIL: ' + '; '.join(flags)}")
@@ -130,7 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit-gib", type=float, default=8.0)
     ap.add_argument("--settle", type=float, default=10.0, help="seconds after an attack before RSS is read")
     ap.add_argument("--name", default="attack_soak")
+    ap.add_argument("--budgets-from", help='with --report: budgets to judge by, JSON {"jobs": 1638.4}')
+    ap.add_argument("--report", help="print the table of a saved result file (judged again) and exit")
     args = ap.parse_args(argv)
+    if args.report:
+        doc = json.load(open(args.report))
+        if args.budgets_from:
+            doc["budgets_mib"].update(json.loads(args.budgets_from))
+        print_table(doc["attacks"], doc["budgets_mib"])
+        return 0
     attacks = [(n, f) for n, f in ISSUE_ATTACKS + OWN_ATTACKS
                if (not args.only or any(n.startswith(o) for o in args.only))
                and not any(n.startswith(s) for s in args.skip)]
