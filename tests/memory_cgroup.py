@@ -44,6 +44,27 @@ class MemoryCgroup:
             pass
         return 0
 
+    def usage(self) -> int | None:
+        name = "memory.current" if self.version == 2 else "memory.usage_in_bytes"
+        try:
+            return int((self.path / name).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def reset_peak(self) -> bool:
+        """Start a new peak at the current usage (v1: max_usage_in_bytes; v2: memory.peak
+        takes a reset from Linux 6.12 on). False where the kernel cannot."""
+        name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
+        try:
+            (self.path / name).write_text("0" if self.version == 1 else "reset")
+            return True
+        except OSError:
+            return False
+
+    def prefix(self) -> list[str]:
+        """What to put before a command line so that it starts inside this cgroup."""
+        return self.wrap([])
+
     def wrap(self, argv: list[str]) -> list[str]:
         """The command, started inside this cgroup (its shell moves itself in, then execs)."""
         return ["sh", "-c", f'echo $$ > "{self.procs}" && exec "$@"', "sh", *argv]
@@ -74,6 +95,24 @@ def _make(limit: int) -> MemoryCgroup | None:
         except OSError:
             return None
     return None
+
+
+def make_memory_cgroup(limit: int) -> MemoryCgroup | None:
+    """A new memory cgroup of `limit` bytes, or None where none can be made (for callers that are
+    not tests: the bench). Remove it with remove_memory_cgroup once its processes are gone."""
+    return _make(limit)
+
+
+def remove_memory_cgroup(group: MemoryCgroup, wait_s: float = 5.0) -> bool:
+    for _ in range(max(1, int(wait_s / 0.1))):
+        try:
+            group.path.rmdir()
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            time.sleep(0.1)
+    return False
 
 
 @contextlib.contextmanager
