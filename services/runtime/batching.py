@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import bisect
 import collections
+import math
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Callable, Hashable
 
 MARGIN = 0.03           # waiting must beat running now by this share of the per-item cost
 HISTORY_ENDS = 48       # model-free moments remembered
 HISTORY_S = 60.0        # and for at most this long
 KEY_WINDOW = 64         # recent items that give the share of compatible arrivals
 RECENCY = 0.85          # a cycle's weight against the next one's: a new load pattern counts within a few
-GRID_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 
 
 @dataclass(frozen=True)
@@ -47,12 +47,15 @@ class ArrivalHistory:
 
     def __init__(self) -> None:
         self._ends: collections.deque[float] = collections.deque(maxlen=HISTORY_ENDS)
+        self._sizes: collections.deque[int] = collections.deque(maxlen=HISTORY_ENDS)  # the call that ended
         self._times: list[float] = []      # sorted entry times
         self._counts: list[int] = []       # items per entry
         self._keys: collections.deque[Hashable] = collections.deque(maxlen=KEY_WINDOW)
 
-    def model_freed(self, now: float) -> None:
+    def model_freed(self, now: float, items: int = 1 << 30) -> None:
+        """The model freed up after a call of `items` (whose clients may come back: closed loop)."""
         self._ends.append(now)
+        self._sizes.append(items)
         self._forget(now)
 
     def arrived(self, now: float, items: int, key: Hashable) -> None:
@@ -81,24 +84,20 @@ class ArrivalHistory:
         i = bisect.bisect_right(self._times, self._ends[-1])
         return sum(self._counts[i:])
 
-    def expected(self, now: float, since_free: float, horizon: float) -> tuple[list[float], list[float]]:
-        """What usually arrives after the model frees up, up to `since_free + horizon`: the
-        offsets (from the model-free moment) of past cycles' arrivals, each weighted so that
-        the weights of one cycle sum to that cycle's share (recent cycles count more). The
-        caller compares the running sum with what has arrived in this cycle already."""
-        windows = [t for t in self._ends if t + since_free + horizon <= now]
-        if not windows:
-            return [], []
-        shares = [RECENCY ** age for age in range(len(windows) - 1, -1, -1)]
-        total = sum(shares)
-        pairs: list[tuple[float, float]] = []
-        for start, share in zip(windows, shares):
+    def cycles(self, now: float, until: float) -> list[tuple[float, int, list[float]]]:
+        """For each recent model-free moment whose first `until` seconds are over: its weight
+        (recent cycles count more), the size of the call that had just ended, and the offsets
+        at which items arrived after it, one per item, in order."""
+        ends = [(t, n) for t, n in zip(self._ends, self._sizes) if t + until <= now]
+        out = []
+        for age, (start, size) in enumerate(reversed(ends)):
             i = bisect.bisect_right(self._times, start)
-            j = bisect.bisect_right(self._times, start + since_free + horizon)
+            j = bisect.bisect_right(self._times, start + until)
+            offsets: list[float] = []
             for n in range(i, j):
-                pairs.append((self._times[n] - start, share / total * min(self._counts[n], 64)))
-        pairs.sort()
-        return [p for p, _ in pairs], [w for _, w in pairs]
+                offsets.extend([self._times[n] - start] * min(self._counts[n], 64))
+            out.append((RECENCY ** age, size, offsets))
+        return out
 
 
 class BatchPolicy:
@@ -129,31 +128,42 @@ class BatchPolicy:
         left = self.cap(seconds) - waited
         if left <= 0:
             return Decision(0.0, waiting, "waited the cap")
-        share = self.history.compatible_share(key)
-        offsets, weights = self.history.expected(now, since_free, left)
-        already = self.history.arrived_since_free()
-        dec = sorted(e for e in decoding_eta if 0 <= e <= left)
-        candidates = sorted({c for c in (*dec, *(o - since_free for o in offsets), *(g for g in GRID_S if g <= left))
-                             if 0 < c <= left})
+        share = max(0.1, self.history.compatible_share(key))
         best = Decision(0.0, waiting, "running now is cheapest per item")
         best_cost = now_cost / waiting * (1 - MARGIN)
-        hist_i = dec_i = 0
-        usual = 0.0  # items that usually arrived by this point after the model freed up
-        for w in candidates:
-            while hist_i < len(offsets) and offsets[hist_i] <= since_free + w:
-                usual += weights[hist_i]
-                hist_i += 1
-            while dec_i < len(dec) and dec[dec_i] <= w:
-                dec_i += 1
-            coming = max(usual - already, float(dec_i), 0.0) * share
-            n = min(float(self.max_batch), waiting + coming)
-            if n <= waiting:
+        # requests still decoding: each is queued when a decode usually ends (near certain)
+        for j, eta in enumerate(sorted(e for e in decoding_eta if 0 <= e <= left), start=1):
+            n = min(float(self.max_batch), waiting + j * share)
+            cost = seconds(n) if n > waiting else None
+            if cost is not None and (eta + cost) / n < best_cost:
+                best_cost = (eta + cost) / n
+                best = Decision(eta, n, f"waiting {eta * 1000:.1f} ms for {n - waiting:.2f} item(s) decoding")
+        # what usually arrives now: given what has come since the model freed up, the chance
+        # that j more compatible items come within w, from the recent cycles that ended a call
+        # at least as large (closed-loop clients come back after their answers: a cycle after
+        # a call of 7 tells nothing of an 8th)
+        already = self.history.arrived_since_free()
+        cycles = self.history.cycles(now, since_free + left)
+        for j in range(1, self.max_batch - waiting + 1):
+            cost_more = seconds(waiting + j)
+            if cost_more is None:
+                break
+            need = already + math.ceil(j / share)
+            alike = [(weight, offsets) for weight, ended, offsets in cycles if ended >= need]
+            times = sorted((offsets[need - 1], weight) for weight, offsets in alike if len(offsets) >= need)
+            later = sum(weight for weight, _ in alike) - sum(w for t, w in times if t <= since_free)
+            if later <= 0:
                 continue
-            cost = seconds(n)
-            if cost is None:
-                continue
-            per_item = (w + cost) / n
-            if per_item < best_cost:
-                best_cost = per_item
-                best = Decision(w, n, f"waiting {w * 1000:.1f} ms for {n - waiting:.2f} more item(s)")
+            reached = 0.0
+            for t, weight in times:
+                if t <= since_free:
+                    continue
+                reached += weight
+                w = t - since_free
+                p = reached / later  # the j-th comes by then, given it had not come by now
+                per_item = p * (w + cost_more) / (waiting + j) + (1 - p) * (w + now_cost) / waiting
+                if per_item < best_cost:
+                    best_cost = per_item
+                    best = Decision(w, waiting + j * p, f"waiting {w * 1000:.1f} ms for {j} more item(s) "
+                                                        f"(p {p:.2f})")
         return best

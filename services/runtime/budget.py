@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from services.runtime import memory
 from services.runtime.errors import ApiError
@@ -118,13 +118,14 @@ class HeldMemory:
 class Charge:
     """One request's holding in the ledger; `hold` grows or shrinks it, `close` ends it."""
 
-    __slots__ = ("ledger", "bytes", "estimate", "closed")
+    __slots__ = ("ledger", "bytes", "estimate", "closed", "on_close")
 
     def __init__(self, ledger: HeldMemory | None):
         self.ledger = ledger
         self.bytes = 0
         self.estimate: dict[str, Any] | None = None
         self.closed = False
+        self.on_close: Callable[[], None] | None = None  # told when the request is over
 
     def hold(self, new_bytes: int, what: str = "this request") -> None:
         if self.ledger is not None and not self.closed:
@@ -140,3 +141,5 @@ class Charge:
             self.closed = True
             if self.ledger is not None:
                 self.ledger.release(self)
+            if self.on_close is not None:
+                self.on_close()

@@ -154,6 +154,8 @@ class Pipeline:
         if not ctx.ready or ctx.scheduler is None:
             raise ApiError(503, "not_ready", "the model is still loading", {"Retry-After": "5"})
         scheduler = ctx.scheduler
+        connection = request.scope.get("client")
+        scheduler.request_arrived(connection)
         ticket = ctx.admission.admit()
         charge = scheduler.cost.new_charge()
         try:
@@ -181,6 +183,9 @@ class Pipeline:
                 # the drain ran out of time: say so, retryably, instead of uvicorn's plain 500
                 raise ApiError(503, "shutting_down", "the service stopped before this request finished; retry",
                                {"Retry-After": str(ctx.settings.retry_after_s), "Connection": "close"}) from None
+            token = object()
+            scheduler.answering(token)
+            charge.on_close = lambda: scheduler.answered(token, connection)  # sent, or the client is gone
             ctx.metrics.stage.labels(route.path, "queue").observe(timing.stages.get("queue", 0.0))
             ctx.metrics.stage.labels(route.path, "infer").observe(timing.stages.get("infer", 0.0))
             t1 = time.perf_counter()

@@ -31,6 +31,7 @@ from services.runtime.codec import Timing
 from services.runtime.cost import ServiceCost
 from services.runtime.errors import ApiError, ClientGone
 from services.runtime.fifo import FifoLock
+from services.runtime.incoming import Incoming
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.settings import RuntimeSettings
 from services.runtime.warmup import measured_call
@@ -91,8 +92,7 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.in_flight = 0
-        self._decoding: dict[object, float] = {}   # request token -> when its decode started
-        self._decode_s: float | None = None        # a decode's usual duration (EWMA)
+        self.incoming = Incoming()                  # requests decoding, clients about to come back
         self._free_since = time.perf_counter()     # when the model last freed up
         self.last_decision: Decision | None = None
         self.batches = 0
@@ -126,19 +126,21 @@ class Scheduler:
 
     # ---- what is coming (the pipeline reports decodes) ----------------------------------
     def decoding_started(self, token: object) -> None:
-        self._decoding[token] = time.perf_counter()
+        self.incoming.decoding(token, time.perf_counter())
         self._wake.set()  # a batch being gathered may now want to wait for it
 
     def decoding_done(self, token: object) -> None:
-        started = self._decoding.pop(token, None)
-        if started is not None:
-            took = time.perf_counter() - started
-            self._decode_s = took if self._decode_s is None else self._decode_s + 0.2 * (took - self._decode_s)
+        self.incoming.decoded(token, time.perf_counter())
         self._wake.set()
 
-    def _decoding_etas(self, now: float) -> list[float]:
-        usual = self._decode_s if self._decode_s is not None else 0.005
-        return [max(started + usual - now, 0.1 * usual) for started in self._decoding.values()]
+    def request_arrived(self, connection: Hashable | None) -> None:
+        self.incoming.arrived(connection, time.perf_counter())
+
+    def answering(self, token: object) -> None:
+        self.incoming.answering(token, time.perf_counter())
+
+    def answered(self, token: object, connection: Hashable | None) -> None:
+        self.incoming.answered(token, connection, time.perf_counter())
 
     def batching_stats(self) -> dict[str, Any]:
         d = self.last_decision
@@ -303,7 +305,7 @@ class Scheduler:
             seconds = lambda n: self.cost.call_seconds(n, ratio)  # noqa: E731
             waited = now - max(head.job.enqueued, self._free_since)
             decision = self.policy.decide(now, self._compatible_waiting(), head.job.key, now - self._free_since,
-                                          waited, self._decoding_etas(now), seconds)
+                                          waited, self.incoming.etas(now), seconds)
             self.last_decision = decision
             # never wait so long that the head's own deadline passes before its call ends
             slack = head.job.deadline - now - (seconds(1) or 0.0)
@@ -335,7 +337,7 @@ class Scheduler:
             self.lock.release()
             self._free_since = time.perf_counter()
             if self.policy is not None:
-                self.policy.history.model_freed(self._free_since)
+                self.policy.history.model_freed(self._free_since, len(batch))
         dt = time.perf_counter() - t0
         self.batches += 1
         self.items_run += len(batch)

@@ -166,3 +166,24 @@ def test_a_steady_stream_is_waited_for_when_busy_and_not_when_light():
         policy.history.model_freed(now)
         d = policy.decide(now, 1, "k", 0.0, 0.0, [], seconds_of(c))
         assert (d.wait_s > 0) is waits, (rate, d)
+
+
+def test_the_last_client_of_a_full_call_is_waited_for_even_when_calls_alternated():
+    """8 closed-loop clients, max 8: calls of 8 and 7 have been alternating (the 8th came back
+    a little late and went into the next call). After a call of 8, the 8th usually comes back
+    by 78 ms; cycles after a call of 7 had only 7 to come back and say nothing about an 8th.
+    At 62 ms, with 7 here, the policy waits for the 8th."""
+    c = curve(*SD)
+    policy = BatchPolicy(8, None)
+    t = 100.0
+    for n in range(24):
+        size = 8 if n % 2 else 7
+        policy.history.model_freed(t, size)
+        for i in range(size):
+            policy.history.arrived(t + 0.030 + 0.0065 * i + 0.001 * (n % 3), 1, "k")
+        t += 1.2
+    policy.history.model_freed(t, 8)
+    for i in range(7):
+        policy.history.arrived(t + 0.030 + 0.0065 * i, 1, "k")
+    d = policy.decide(t + 0.062, 7, "k", 0.062, 0.032, [], seconds_of(c))
+    assert 0.010 < d.wait_s < 0.020, d
