@@ -29,7 +29,7 @@ import json, os, sys, time
 sys.path.insert(0, {root!r})
 import numpy as np
 from PIL import Image
-from services.runtime.threads import apply_threads
+from services.runtime.device.threads import apply_threads
 from services.img2img.params import Img2ImgItem
 from services.img2img.progress import Progress
 from services.img2img.sd import DiffusersBackend

@@ -29,8 +29,8 @@ def bare_backend(batch: int):
     os.environ["ONECARD_SERVICE_THREADS"] = str(THREADS)
     from services.detect.backends import CenterFaceBackend, DetectItem
     from services.detect.settings import DetectSettings
-    from services.runtime.codec import DecodeLimits, decode_image
-    from services.runtime.threads import apply_threads
+    from services.runtime.codecs.images import DecodeLimits, decode_image
+    from services.runtime.device.threads import apply_threads
     apply_threads(THREADS)
     b = CenterFaceBackend(DetectSettings(max_side=MAX_SIDE, max_batch_size=max(batch, 2)))
     b.load()

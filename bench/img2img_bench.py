@@ -136,8 +136,8 @@ def main() -> int:
     from services.img2img.progress import Progress
     from services.img2img.sd import DiffusersBackend
     from services.img2img.settings import Img2ImgSettings
-    from services.runtime.codec import encode_image
-    from services.runtime.threads import apply_threads
+    from services.runtime.codecs.images import encode_image
+    from services.runtime.device.threads import apply_threads
     backend = DiffusersBackend(Img2ImgSettings.model_validate(settings), Progress())
     backend.load()
     apply_threads(threads)

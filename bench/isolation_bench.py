@@ -72,8 +72,8 @@ def img2img_throughput(duration: float, conc: int) -> dict:
     from services.img2img.progress import Progress
     from services.img2img.settings import Img2ImgSettings
     from services.img2img.style import StyleBackend
-    from services.runtime.codec import DecodeLimits, decode_image, encode_image
-    from services.runtime.threads import apply_threads
+    from services.runtime.codecs.images import DecodeLimits, decode_image, encode_image
+    from services.runtime.device.threads import apply_threads
     apply_threads(1)
     cfg = Img2ImgSettings.model_validate(IMG2IMG)
     backend = StyleBackend(cfg, Progress())

@@ -25,12 +25,12 @@ import numpy as np
 from fastapi import FastAPI
 from pydantic import Field
 
-from services.runtime.app import ServiceContext, create_service_app
-from services.runtime.backend import Backend
-from services.runtime.codec import encode_image
-from services.runtime.inputs import read_image_input
-from services.runtime.params import Params
-from services.runtime.pipeline import ModelRoute, Reply, Work, json_reply
+from services.runtime.shell.app import ServiceContext, create_service_app
+from services.runtime.pipeline.backend import Backend
+from services.runtime.codecs.images import encode_image
+from services.runtime.pipeline.image_input import read_image_input
+from services.runtime.codecs.params import Params
+from services.runtime.pipeline.model_routes import ModelRoute, Reply, Work, json_reply
 from services.runtime.settings import RuntimeSettings
 
 PROFILES = {"sd15-h100": (0.643, 0.0644), "sd-alt": (0.250, 0.045), "detector": (0.008, 0.0015),

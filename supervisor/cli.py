@@ -43,7 +43,7 @@ def main_options(
 def _load(config: Optional[str], sets: List[str]):
     from supervisor.config import ConfigError, load_config
     from supervisor.configpath import resolve
-    from services.runtime.memory import memory_limit
+    from services.runtime.device.host_memory import memory_limit
     from supervisor.cpuquota import read_cpu_quota
     from supervisor.gpu import GpuFacts
     from supervisor.mps import MpsDaemon

@@ -15,11 +15,11 @@ from pydantic import Field
 
 from services.detect.backends import BACKENDS, DetectItem
 from services.detect.settings import DetectSettings
-from services.runtime.app import ServiceContext, create_service_app
-from services.runtime.body import RawRequest
-from services.runtime.inputs import read_image_input
-from services.runtime.params import Float, Int, Params, inline_schema, query_parameters
-from services.runtime.pipeline import ModelRoute, Reply, Work, json_reply
+from services.runtime.shell.app import ServiceContext, create_service_app
+from services.runtime.edge.body import RawRequest
+from services.runtime.pipeline.image_input import read_image_input
+from services.runtime.codecs.params import Float, Int, Params, inline_schema, query_parameters
+from services.runtime.pipeline.model_routes import ModelRoute, Reply, Work, json_reply
 
 BINARY = {"schema": {"type": "string", "format": "binary"}}
 

@@ -17,9 +17,9 @@ import cv2
 import numpy as np
 
 from services.detect.settings import DetectSettings
-from services.runtime.backend import Backend
-from services.runtime.gpu import check_session_device, ort_providers
-from services.runtime.threads import ort_run_options, ort_session_options, planned_threads
+from services.runtime.pipeline.backend import Backend
+from services.runtime.device.gpu import check_session_device, ort_providers
+from services.runtime.device.threads import ort_run_options, ort_session_options, planned_threads
 
 
 @dataclass(frozen=True)

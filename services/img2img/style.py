@@ -17,9 +17,9 @@ from PIL import Image
 from services.img2img.params import PASSTHROUGH, Img2ImgItem
 from services.img2img.progress import Progress
 from services.img2img.settings import Img2ImgSettings
-from services.runtime.backend import Backend
-from services.runtime.gpu import check_session_device, ort_providers
-from services.runtime.threads import ort_run_options, ort_session_options, planned_threads
+from services.runtime.pipeline.backend import Backend
+from services.runtime.device.gpu import check_session_device, ort_providers
+from services.runtime.device.threads import ort_run_options, ort_session_options, planned_threads
 
 
 def fit_size(width: int, height: int, max_side: int, multiple: int, minimum: int = 0) -> tuple[int, int]:

@@ -35,13 +35,13 @@ from services.img2img.webui_info import WebuiState, info_document, infotext, sda
 from services.img2img.webui_json import picture_bytes, read_webui_json
 from services.img2img.webui_models import WebuiBase, WebuiImg2Img, WebuiTxt2Img, echoed_parameters
 from services.img2img.webui_options import OUTPUT_FORMATS
-from services.runtime.body import RawRequest
-from services.runtime.codec import ImageHeader, decode_probed, probe_image
+from services.runtime.edge.body import RawRequest
+from services.runtime.codecs.images import ImageHeader, decode_probed, probe_image
 from services.runtime.errors import ApiError
-from services.runtime.image_limits import check_encodable
-from services.runtime.inputs import decode_limits
-from services.runtime.params import inline_schema, validate
-from services.runtime.pipeline import ModelRoute, Reply, Work, json_reply
+from services.runtime.codecs.encoder_limits import check_encodable
+from services.runtime.pipeline.image_input import decode_limits
+from services.runtime.codecs.params import inline_schema, validate
+from services.runtime.pipeline.model_routes import ModelRoute, Reply, Work, json_reply
 
 ROUTE_ERRORS = (400, 401, 404, 413, 415, 422, 500, 503, 504)
 
@@ -122,7 +122,7 @@ class WebuiRoutes:
                    mask: tuple[bytes, ImageHeader] | None = None) -> None:
         """What the request will cost, stated before any picture is decoded (from the headers):
         n items at the generation size as the model sees it, the pictures decoded, the answers
-        produced and sent as base64 (services/runtime/cost.py checks the products)."""
+        produced and sent as base64 (services/runtime/pipeline/cost.py checks the products)."""
         width, height, n = gen["width"], gen["height"], gen["n"]
         own_size = bool(gen.get("own_size")) and pictures  # inpainting at the picture's own size
         answer = max(h.pixels for _, h in pictures) if own_size else width * height

@@ -35,15 +35,15 @@ from services.img2img.params import PassthroughItem
 from services.img2img.webui_info import WebuiState, sdapi_error
 from services.img2img.webui_json import picture_bytes, read_webui_json
 from services.img2img.webui_options import OUTPUT_FORMATS
-from services.runtime import jpeg
-from services.runtime.body import RawRequest
-from services.runtime.codec import ALLOWED_FORMATS, decode_image
+from services.runtime.codecs import jpeg
+from services.runtime.edge.body import RawRequest
+from services.runtime.codecs.images import ALLOWED_FORMATS, decode_image
 from services.runtime.errors import ApiError
-from services.runtime.image_limits import check_encodable
-from services.runtime.inputs import decode_limits
+from services.runtime.codecs.encoder_limits import check_encodable
+from services.runtime.pipeline.image_input import decode_limits
 from services.img2img.webui_models import Bool, Float
-from services.runtime.params import Params, Str, inline_schema, validate
-from services.runtime.pipeline import ModelRoute, Reply, Work, json_reply
+from services.runtime.codecs.params import Params, Str, inline_schema, validate
+from services.runtime.pipeline.model_routes import ModelRoute, Reply, Work, json_reply
 
 UPSCALER_NAMES = ("None", "Lanczos", "Nearest")
 ERRORS = (400, 401, 413, 415, 422, 500, 503, 504)

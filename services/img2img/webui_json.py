@@ -15,10 +15,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from services.runtime.body import RawRequest
-from services.runtime.codec import decode_base64
+from services.runtime.edge.body import RawRequest
+from services.runtime.codecs.images import decode_base64
 from services.runtime.errors import ApiError
-from services.runtime.inputs import read_json
+from services.runtime.pipeline.image_input import read_json
 from services.runtime.settings import RuntimeSettings
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, ConfigDict, Field
 
 from services.img2img.params import MAX_SEED
-from services.runtime.params import Params, Str, Text, _boolean, _integer, _number
+from services.runtime.codecs.params import Params, Str, Text, _boolean, _integer, _number
 
 
 def _as_text(value: Any) -> Any:

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from services.img2img import webui_schemas as ws
 from services.img2img.webui_info import KARRAS, SAMPLERS, WebuiState, _memory, guard, sdapi_error
 from services.img2img.webui_json import refuse_lone_surrogates
-from services.runtime.body import parse_json_object, read_body
+from services.runtime.edge.body import parse_json_object, read_body
 from services.runtime.errors import ApiError
 
 # the webui's model-free upscalers (Lanczos and Nearest resize; None leaves the picture as it is)

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.runtime.errors import ERROR_STATUSES
-from services.runtime.params import inline_schema
+from services.runtime.codecs.params import inline_schema
 
 
 class _Out(BaseModel):

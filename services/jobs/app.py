@@ -23,7 +23,7 @@ from services.jobs.api_admin import add_admin_routes
 from services.jobs.service import JobsService
 from services.jobs.settings import JobsSettings
 from services.runtime.errors import ClientGone, error_response, install_error_handlers
-from services.runtime.probes import Heartbeat, ProbeServer, json_route
+from services.runtime.edge.probe_listener import Heartbeat, ProbeServer, json_route
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/stats"})
 METRICS_TYPE = "text/plain; version=0.0.4"

@@ -24,12 +24,12 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from services.runtime.app import ServiceContext, create_service_app
-from services.runtime.backend import Backend
+from services.runtime.shell.app import ServiceContext, create_service_app
+from services.runtime.pipeline.backend import Backend
 from services.runtime.errors import ApiError
-from services.runtime.inputs import read_image_input
-from services.runtime.params import Bool, Float, Int, Params, Str
-from services.runtime.pipeline import ModelRoute, Work, json_reply
+from services.runtime.pipeline.image_input import read_image_input
+from services.runtime.codecs.params import Bool, Float, Int, Params, Str
+from services.runtime.pipeline.model_routes import ModelRoute, Work, json_reply
 from services.runtime.settings import RuntimeSettings
 
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from services.runtime import jpeg
-from services.runtime.body import json_depth_over, parse_json
-from services.runtime.codec import DecodeLimits, choose_format, decode_image, encode_image
+from services.runtime.codecs import jpeg
+from services.runtime.edge.body import json_depth_over, parse_json
+from services.runtime.codecs.images import DecodeLimits, choose_format, decode_image, encode_image
 from services.runtime.errors import ApiError
-from services.runtime.params import Bool, Float, Int, Params, Str, merge, validate
+from services.runtime.codecs.params import Bool, Float, Int, Params, Str, merge, validate
 from tests.images import encode, exif_rotated_jpeg, progressive_jpeg, scan_bomb_jpeg
 
 LIMITS = DecodeLimits(max_pixels=40_000_000, max_jpeg_scans=32, max_image_markers=512)

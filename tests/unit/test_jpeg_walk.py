@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.runtime.jpeg import JpegLimitError, JpegShape, walk
+from services.runtime.codecs.jpeg import JpegLimitError, JpegShape, walk
 
 SOI, EOI = b"\xff\xd8", b"\xff\xd9"
 

@@ -11,7 +11,7 @@ import pytest
 from pydantic import Field, model_validator
 
 from services.runtime.errors import ApiError
-from services.runtime.params import Bool, Float, Int, Params, Str, Text, inline_schema, merge, query_parameters, \
+from services.runtime.codecs.params import Bool, Float, Int, Params, Str, Text, inline_schema, merge, query_parameters, \
     validate
 
 

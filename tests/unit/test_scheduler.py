@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from services.runtime.admission import Admission
-from services.runtime.backend import Backend
-from services.runtime.codec import Timing
+from services.runtime.pipeline.admission import Admission
+from services.runtime.pipeline.backend import Backend
+from services.runtime.codecs.images import Timing
 from services.runtime.errors import ApiError, ClientGone
-from services.runtime.metrics import ServiceMetrics
-from services.runtime.scheduler import Scheduler
+from services.runtime.shell.metrics import ServiceMetrics
+from services.runtime.pipeline.scheduler import Scheduler
 from services.runtime.settings import RuntimeSettings
 
 
@@ -152,7 +152,7 @@ def test_the_batch_loop_does_not_start_an_expired_job_even_before_its_waiter_not
         timing.t0 -= 10  # arrived long ago: expired at once
         loop = asyncio.get_running_loop()
         # enqueue without a waiter (as if its timer had not fired yet)
-        from services.runtime.scheduler import Job, _Entry
+        from services.runtime.pipeline.scheduler import Job, _Entry
         job = Job([Item("stale")], "hold", timing.t0 + 0.05, timing.t0, loop.create_future())
         job.results, job.remaining = [None], 1
         sched._pending.append(_Entry(job, 0))
@@ -293,7 +293,7 @@ def test_an_expired_item_behind_the_head_does_not_join_the_batch():
         blocker = await hold(sched, backend)
         fresh = asyncio.ensure_future(sched.submit([Item("fresh")], "k", Timing(), None))
         await until(lambda: sched.pending_items == 1)
-        from services.runtime.scheduler import Job, _Entry
+        from services.runtime.pipeline.scheduler import Job, _Entry
         loop = asyncio.get_running_loop()
         old = Timing()
         old.t0 -= 100

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-from services.runtime.codec import Timing
-from services.runtime.metrics import ServiceMetrics
-from services.runtime.scheduler import Scheduler
+from services.runtime.codecs.images import Timing
+from services.runtime.shell.metrics import ServiceMetrics
+from services.runtime.pipeline.scheduler import Scheduler
 from services.runtime.settings import RuntimeSettings
 from tests.unit.test_scheduler import Item, Recorder, run, until
 
@@ -84,7 +84,7 @@ def test_the_oldest_request_still_leads_and_a_wait_never_outlasts_max_wait_ms():
 
 def test_a_batch_is_formed_to_fit_the_call_memory_budget_and_splits_a_request():
     """Items that together would pass a call's working memory go to separate calls, in order."""
-    from services.runtime.budget import plan_budgets
+    from services.runtime.pipeline.budgets import plan_budgets
 
     async def main():
         sched, backend = auto_scheduler(0.05, 0.05, backend=SizedRecorder())

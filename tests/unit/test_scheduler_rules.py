@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from services.runtime.admission import Admission
-from services.runtime.codec import Timing
+from services.runtime.pipeline.admission import Admission
+from services.runtime.codecs.images import Timing
 from services.runtime.errors import ApiError, ClientGone
-from services.runtime.metrics import ServiceMetrics
-from services.runtime.scheduler import Job, Scheduler, _Entry
+from services.runtime.shell.metrics import ServiceMetrics
+from services.runtime.pipeline.scheduler import Job, Scheduler, _Entry
 from services.runtime.settings import RuntimeSettings
 from tests.unit.test_scheduler import Client, Item, Recorder, hold, run, scheduler, until
 

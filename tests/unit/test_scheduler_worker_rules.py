@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from services.runtime.codec import Timing
+from services.runtime.codecs.images import Timing
 from services.runtime.errors import ApiError, ClientGone
-from services.runtime.metrics import ServiceMetrics
-from services.runtime.scheduler import GpuWorker, Scheduler
+from services.runtime.shell.metrics import ServiceMetrics
+from services.runtime.pipeline.scheduler import GpuWorker, Scheduler
 from services.runtime.settings import RuntimeSettings
 from tests.unit.test_scheduler import Client, Item, Recorder, hold, run, scheduler, until
 from tests.unit.test_scheduler_rules import dropped
@@ -260,7 +260,7 @@ def test_decode_encode_and_model_threads_yield_the_cpu_to_the_event_loop():
     import os
     import threading
 
-    from services.runtime.pipeline import CpuPool
+    from services.runtime.pipeline.model_routes import CpuPool
 
     def nice() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

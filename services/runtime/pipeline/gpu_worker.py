@@ -7,7 +7,7 @@ import concurrent.futures
 import time
 from typing import Any, Callable
 
-from services.runtime.threads import lower_priority
+from services.runtime.device.threads import lower_priority
 
 
 class GpuWorker:

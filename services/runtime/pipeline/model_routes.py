@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from services.runtime.body import RawRequest, media_type, query_params, read_body
-from services.runtime.codec import Base64Text, Timing
-from services.runtime.budget import Charge
-from services.runtime.cost import DryRunComplete, RequestCost
+from services.runtime.edge.body import RawRequest, media_type, query_params, read_body
+from services.runtime.codecs.images import Base64Text, Timing
+from services.runtime.pipeline.budgets import Charge
+from services.runtime.pipeline.cost import DryRunComplete, RequestCost
 from services.runtime.errors import ApiError, error_responses
-from services.runtime.threads import lower_priority
+from services.runtime.device.threads import lower_priority
 
 if TYPE_CHECKING:
-    from services.runtime.app import ServiceContext
+    from services.runtime.shell.app import ServiceContext
 
 DRY_RUN_HEADER = "x-onecard-dry-run"
 

@@ -5,7 +5,7 @@ the AUTOMATIC1111 webui's ``--api-auth`` does (``user:password``, several separa
 commas), read from an environment variable or a file so that no password sits in the
 config or is ever printed. Every comparison is constant-time, and a request carries one
 credential: repeated credential headers are refused, not tried one by one. Failures are
-counted and rate-limited per client address by services.runtime.auth_limit.
+counted and rate-limited per client address by services.runtime.edge.auth_failures.
 """
 
 from __future__ import annotations

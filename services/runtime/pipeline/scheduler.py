@@ -23,18 +23,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
-from services.runtime import memory
-from services.runtime.admission import Ticket
-from services.runtime.backend import Backend, is_out_of_memory
-from services.runtime.batching import BatchPolicy, Decision
-from services.runtime.codec import Timing
-from services.runtime.cost import ServiceCost
+from services.runtime.device import host_memory as memory
+from services.runtime.pipeline.admission import Ticket
+from services.runtime.pipeline.backend import Backend, is_out_of_memory
+from services.runtime.pipeline.batch_policy import BatchPolicy, Decision
+from services.runtime.codecs.images import Timing
+from services.runtime.pipeline.cost import ServiceCost
 from services.runtime.errors import ApiError, ClientGone
-from services.runtime.fifo import FifoLock
-from services.runtime.metrics import ServiceMetrics
+from services.runtime.pipeline.fifo_lock import FifoLock
+from services.runtime.shell.metrics import ServiceMetrics
 from services.runtime.settings import RuntimeSettings
-from services.runtime.warmup import measured_call
-from services.runtime.worker import GpuWorker, wait_disconnect
+from services.runtime.pipeline.warmup import measured_call
+from services.runtime.pipeline.gpu_worker import GpuWorker, wait_disconnect
 
 __all__ = ["GpuWorker", "Job", "Scheduler", "wait_disconnect"]
 TRIM_AFTER_BYTES = 256 * 2**20   # a call this big hands its freed heap back to the kernel

@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from services.runtime.body import RawRequest, parse_json_object, parse_multipart, text_fields
-from services.runtime.codec import (DecodedImage, DecodeLimits, ImageHeader, decode_base64, decode_probed,
+from services.runtime.edge.body import RawRequest, parse_json_object, parse_multipart, text_fields
+from services.runtime.codecs.images import (DecodedImage, DecodeLimits, ImageHeader, decode_base64, decode_probed,
                                     probe_image)
 from services.runtime.errors import ApiError
-from services.runtime.params import Params, as_text, merge, validate
+from services.runtime.codecs.params import Params, as_text, merge, validate
 from services.runtime.settings import RuntimeSettings
 
 

@@ -104,7 +104,7 @@ class ServiceMetrics:
             self.dry_runs += 1
 
     def observe_cost(self, cost) -> None:
-        """The cost model's figures (services.runtime.cost.ServiceCost), at each scrape."""
+        """The cost model's figures (services.runtime.pipeline.cost.ServiceCost), at each scrape."""
         for size, ms in cost.curve.snapshot()["ms_by_batch_size"].items():
             self.batch_cost.labels(size).set(ms / 1000)
         budgets = cost.budgets

@@ -1,4 +1,4 @@
-"""What the guarded protocol (services.runtime.protocol) enforces and counts: the limits,
+"""What the guarded protocol (services.runtime.edge.protocol) enforces and counts: the limits,
 built from a service's settings, its counters, and the bytes of an error it writes
 itself (before or without the app)."""
 

@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from services.runtime import memory
+from services.runtime.device import host_memory as memory
 from services.runtime.errors import ApiError
 
 MIN_AVAILABLE = 64 * 2**20  # below this a budget is a misconfiguration, not a plan

@@ -16,8 +16,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
-from services.runtime.budget import Budgets, Charge, HeldMemory, mib
-from services.runtime.costmodel import BatchCurve, MemoryCurve
+from services.runtime.pipeline.budgets import Budgets, Charge, HeldMemory, mib
+from services.runtime.pipeline.cost_curves import BatchCurve, MemoryCurve
 from services.runtime.errors import ApiError
 
 BYTES_PER_PIXEL = 3          # RGB, 8 bits a channel, as decoded and as produced

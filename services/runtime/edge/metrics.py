@@ -1,4 +1,4 @@
-"""Counters of the HTTP edge that services.runtime.metrics does not list: send deadlines,
+"""Counters of the HTTP edge that services.runtime.shell.metrics does not list: send deadlines,
 pipelining and framing refusals, sockets reset with an unread answer, credential failures.
 Registered by services.runtime.serve on the service's registry; every figure is a plain
 int written on the event loop and read here (in the probe thread too) without a lock."""

@@ -19,22 +19,22 @@ from typing import Any, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from services.runtime import info as service_info
-from services.runtime.admission import Admission
-from services.runtime.auth import Credentials
-from services.runtime.backend import Backend
-from services.runtime.budget import HeldMemory, plan_budgets, service_memory
-from services.runtime import memory
-from services.runtime import gpu as service_gpu
+from services.runtime.shell import info as service_info
+from services.runtime.pipeline.admission import Admission
+from services.runtime.edge.credentials import Credentials
+from services.runtime.pipeline.backend import Backend
+from services.runtime.pipeline.budgets import HeldMemory, plan_budgets, service_memory
+from services.runtime.device import host_memory as memory
+from services.runtime.device import gpu as service_gpu
 from services.runtime.errors import ApiError, ClientGone, error_response, error_responses, install_error_handlers
-from services.runtime.metrics import ServiceMetrics
-from services.runtime.pipeline import CpuPool, Pipeline
-from services.runtime.probes import Heartbeat, ProbeServer, json_route
-from services.runtime.protocol import ConnectionStats
-from services.runtime.scheduler import Scheduler
+from services.runtime.shell.metrics import ServiceMetrics
+from services.runtime.pipeline.model_routes import CpuPool, Pipeline
+from services.runtime.edge.probe_listener import Heartbeat, ProbeServer, json_route
+from services.runtime.edge.protocol import ConnectionStats
+from services.runtime.pipeline.scheduler import Scheduler
 from services.runtime.settings import RuntimeSettings
-from services.runtime.threads import apply_threads, planned_threads
-from services.runtime.warmup import warm_up
+from services.runtime.device.threads import apply_threads, planned_threads
+from services.runtime.pipeline.warmup import warm_up
 
 log = logging.getLogger("onecard.service")
 PROBE_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/stats"})

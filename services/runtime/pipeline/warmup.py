@@ -14,8 +14,8 @@ import sys
 import time
 from typing import Any, Callable
 
-from services.runtime import memory
-from services.runtime.cost import ServiceCost
+from services.runtime.device import host_memory as memory
+from services.runtime.pipeline.cost import ServiceCost
 
 log = logging.getLogger("onecard.service")
 

@@ -19,11 +19,11 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, Response
 
-from services.runtime.gpu import budget_bytes, cuda_expected
+from services.runtime.device.gpu import budget_bytes, cuda_expected
 
 if TYPE_CHECKING:
-    from services.runtime.app import ServiceContext
-    from services.runtime.auth import Credentials
+    from services.runtime.shell.app import ServiceContext
+    from services.runtime.edge.credentials import Credentials
 
 log = logging.getLogger("onecard.service")
 VERSION_PACKAGES = ("onecard", "fastapi", "uvicorn", "numpy", "pillow", "onnxruntime", "onnxruntime-gpu",

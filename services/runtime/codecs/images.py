@@ -25,9 +25,10 @@ import cv2
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from services.runtime import formats, jpeg
+from services.runtime.codecs import png_bmp as formats
+from services.runtime.codecs import jpeg
 from services.runtime.errors import ApiError
-from services.runtime.image_limits import check_encodable
+from services.runtime.codecs.encoder_limits import check_encodable
 
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP")
 OUTPUT_FORMATS = {"png": ("PNG", "image/png"), "jpeg": ("JPEG", "image/jpeg"), "webp": ("WEBP", "image/webp")}

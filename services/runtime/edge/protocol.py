@@ -22,7 +22,7 @@ a time holds a connection forever (uvicorn issue 157). Here, per connection:
 - a body's framing (chunk sizes, chunk extensions) cannot make the service read much
   more than the body limit: 413 past twice ``max_body_bytes``;
 - an answer the client does not take is reset after ``send_timeout_s`` without progress
-  (services.runtime.send_deadline);
+  (services.runtime.edge.send_deadline);
 - a request uvicorn cannot parse gets 400 in the JSON error envelope, not plain text;
   a client that half-closes before its request is complete gets 400 too.
 """
@@ -36,8 +36,8 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from services.runtime.connection_limits import ConnectionLimits, ConnectionStats, error_bytes
-from services.runtime.send_deadline import KernelQueueLinger, SendWatch, reset
+from services.runtime.edge.connection_limits import ConnectionLimits, ConnectionStats, error_bytes
+from services.runtime.edge.send_deadline import KernelQueueLinger, SendWatch, reset
 
 __all__ = ["ConnectionLimits", "ConnectionStats", "error_bytes", "guarded_protocol"]
 
