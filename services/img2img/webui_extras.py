@@ -36,7 +36,7 @@ from services.img2img.webui_info import WebuiState, sdapi_error
 from services.img2img.webui_json import picture_bytes, read_webui_json
 from services.img2img.webui_options import OUTPUT_FORMATS
 from services.runtime.codecs import jpeg
-from services.runtime.edge.body import RawRequest
+from services.runtime.pipeline.raw_request import RawRequest
 from services.runtime.codecs.images import ALLOWED_FORMATS, decode_image
 from services.runtime.errors import ApiError
 from services.runtime.codecs.encoder_limits import check_encodable

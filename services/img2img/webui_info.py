@@ -190,7 +190,7 @@ def info_document(gen: dict[str, Any], state: WebuiState) -> dict[str, Any]:
 
 
 def _version() -> str:
-    from services.runtime.shell.info import version
+    from services.runtime.shell.metrics import version
     return version()
 
 

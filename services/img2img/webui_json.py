@@ -15,11 +15,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from services.runtime.edge.body import RawRequest
-from services.runtime.codecs.images import decode_base64
+from services.runtime.pipeline.raw_request import RawRequest
+from services.runtime.codecs.base64_text import decode_base64
 from services.runtime.errors import ApiError
 from services.runtime.pipeline.image_input import read_json
-from services.runtime.settings import RuntimeSettings
+from services.runtime.pipeline.settings import ModelServiceSettings
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _WHITESPACE = re.compile(r"[ \t\r\n\f\v]+")
@@ -50,7 +50,7 @@ def refuse_lone_surrogates(doc: Any, where: tuple = ()) -> None:
             stack.extend(((*path, i), value) for i, value in enumerate(node))
 
 
-def read_webui_json(raw: RawRequest, settings: RuntimeSettings) -> dict[str, Any]:
+def read_webui_json(raw: RawRequest, settings: ModelServiceSettings) -> dict[str, Any]:
     """The body as a JSON object (415/400/422 as for every JSON route), its text valid Unicode."""
     doc = read_json(raw, settings)
     refuse_lone_surrogates(doc)

@@ -22,7 +22,8 @@ from fastapi.responses import JSONResponse, Response
 from services.img2img import webui_schemas as ws
 from services.img2img.webui_info import KARRAS, SAMPLERS, WebuiState, _memory, guard, sdapi_error
 from services.img2img.webui_json import refuse_lone_surrogates
-from services.runtime.edge.body import parse_json_object, read_body
+from services.runtime.codecs.forms import parse_json_object
+from services.runtime.edge.body import read_body
 from services.runtime.errors import ApiError
 
 # the webui's model-free upscalers (Lanczos and Nearest resize; None leaves the picture as it is)
@@ -43,7 +44,7 @@ def _parse_options(body: bytes, state: WebuiState, max_depth: int, max_fields: i
     state.update_options(doc)
 
 
-def add_control_routes(app: FastAPI, ctx, routes, state: WebuiState, auth: bool) -> None:
+def add_control_routes(app: FastAPI, cpu, routes, state: WebuiState, auth: bool) -> None:
     errors = (401, 500, 503) if auth else (500, 503)
     progress = routes.progress
     cfg = routes.cfg
@@ -57,7 +58,7 @@ def add_control_routes(app: FastAPI, ctx, routes, state: WebuiState, auth: bool)
         doc, preview = progress.snapshot()
         skip = request.query_params.get("skip_current_image", "false").strip().lower() in ("true", "1", "yes")
         if preview is not None and not skip:
-            doc["current_image"] = await ctx.cpu.run(_preview_png, preview)
+            doc["current_image"] = await cpu.run(_preview_png, preview)
         return JSONResponse(doc)
 
     async def progress_lite() -> JSONResponse:
@@ -78,7 +79,7 @@ def add_control_routes(app: FastAPI, ctx, routes, state: WebuiState, auth: bool)
         body = await read_body(request, cfg.max_options_bytes)
         if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
             raise ApiError(415, "unsupported_media_type", "send the options as application/json")
-        await ctx.cpu.run(_parse_options, body, state, cfg.max_json_depth, cfg.max_fields)
+        await cpu.run(_parse_options, body, state, cfg.max_json_depth, cfg.max_fields)
         return JSONResponse(None)
 
     route("/sdapi/v1/progress", "GET", get_progress, "The running generation (webui shape); current_image unless "
@@ -117,7 +118,7 @@ def add_control_routes(app: FastAPI, ctx, routes, state: WebuiState, auth: bool)
                              "onecard_backend": cfg.backend})
 
     async def memory():
-        return JSONResponse(await ctx.cpu.run(_memory))
+        return JSONResponse(await cpu.run(_memory))
 
     def constant(value: Any) -> Callable:
         async def answer() -> JSONResponse:

@@ -41,10 +41,10 @@ def make_broker(settings: JobsSettings, node: str, environ=os.environ) -> Broker
 
 
 class JobsService:
-    def __init__(self, name: str, settings: JobsSettings, environ=os.environ):
+    def __init__(self, name: str, settings: JobsSettings, environ=os.environ, registry=None):
         self.name, self.settings = name, settings
         self.node = settings.resolved_node_name()
-        self.metrics = JobsMetrics()
+        self.metrics = JobsMetrics(registry)
         self.broker = make_broker(settings, self.node, environ)
         self.broker.on_cancel(self._cancel_running)
         self.broker.on_done(self._job_done)

@@ -13,7 +13,7 @@ import re
 from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from services.runtime.settings import StartupConfigError
+from services.runtime.settings import ServiceSettings, StartupConfigError
 
 # always with fullmatch: with match, "$" also matches before a trailing newline
 LABEL_RE = re.compile(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+/[A-Za-z0-9_.+-]+")
@@ -156,7 +156,9 @@ class TargetSettings(_Strict):
         return v
 
 
-class JobsSettings(_Strict):
+class JobsSettings(ServiceSettings):
+    """The jobs service's own keys; the edge's limits, auth and health come from ServiceSettings."""
+
     queue: QueueSettings = Field(default_factory=QueueSettings)
     targets: dict[str, str | TargetSettings] = Field(
         default_factory=dict, description="local services by name: a URL or a table (url, model_label, ...)")
@@ -194,23 +196,6 @@ class JobsSettings(_Strict):
     result_send_timeout_s: float = Field(30.0, gt=0, le=3600, allow_inf_nan=False, description="a client that "
                                          "reads no part of a result for this long is cut off")
     max_list_limit: int = Field(500, ge=1, le=10_000, description="most jobs in one page of GET /v1/jobs")
-    # the connection limits every onecard service applies (services.runtime.serve reads them)
-
-    # ---- connections and protocol ------------------------------------------------------
-    max_connections: int = Field(512, ge=1, le=1_000_000,
-                                 description="open client connections; beyond, new ones get 503 and are closed")
-    max_header_bytes: int = Field(16 * 1024, ge=1024, le=2**20,
-                                  description="request line plus headers; beyond: 431 and the connection is closed")
-    header_timeout_s: float = Field(10.0, gt=0, le=3600, allow_inf_nan=False,
-                                    description="time to receive a request's line and headers once it started; then 408")
-    body_timeout_s: float = Field(60.0, gt=0, le=3600, allow_inf_nan=False,
-                                  description="time to receive a whole request body; then 408")
-    keepalive_timeout_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False,
-                                       description="an idle kept-alive connection is closed after this")
-    loop_stall_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False,
-                                description="/healthz fails when the event loop has not run for this long")
-    api_key: str | None = Field(None, description="require this key (Bearer or X-API-Key)")
-    api_key_env: str | None = Field(None, description="...or read the key from this environment variable")
 
     @field_validator("accept_models")
     @classmethod
@@ -243,13 +228,6 @@ class JobsSettings(_Strict):
         if t is None:
             return TargetSettings()
         return TargetSettings(url=t) if isinstance(t, str) else t
-
-    def resolved_api_key(self) -> str | None:
-        if self.api_key:
-            return self.api_key
-        if self.api_key_env:
-            return os.environ.get(self.api_key_env) or None
-        return None
 
     def resolved_node_name(self) -> str:
         import socket

@@ -14,6 +14,16 @@ log = logging.getLogger("onecard.service")
 
 
 class ApiError(Exception):
+    """An error a client gets in the envelope ``{"error": {"code", "message"}}`` (public as
+    ``onecard.Error``).
+
+    Raise it from any hook (decode, encode: the request fails with ``status``), or return it
+    in a model call's results for an item that fails alone. 4xx for the caller's faults; 503
+    with ``headers={"Retry-After": "1"}`` for "try again".
+    """
+
+    STATUSES: dict[int, str]  # what each status means in onecard's answers (set below)
+
     def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.code, self.message, self.headers = status, code, message, headers or {}
@@ -44,6 +54,9 @@ ERROR_STATUSES = {
     503: "overloaded, still loading, or out of GPU memory (Retry-After says when to retry)",
     504: "the request deadline passed",
 }
+
+
+ApiError.STATUSES = ERROR_STATUSES
 
 
 def error_responses(statuses: tuple[int, ...] | None = None) -> dict[int, dict]:

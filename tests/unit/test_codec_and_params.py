@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from services.runtime.codecs import jpeg
-from services.runtime.edge.body import json_depth_over, parse_json
+from services.runtime.codecs.forms import json_depth_over, parse_json
 from services.runtime.codecs.images import DecodeLimits, choose_format, decode_image, encode_image
 from services.runtime.errors import ApiError
 from services.runtime.codecs.params import Bool, Float, Int, Params, Str, merge, validate

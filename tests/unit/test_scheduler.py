@@ -15,11 +15,11 @@ import pytest
 
 from services.runtime.pipeline.admission import Admission
 from services.runtime.pipeline.backend import Backend
-from services.runtime.codecs.images import Timing
+from services.runtime.pipeline.timing import Timing
 from services.runtime.errors import ApiError, ClientGone
-from services.runtime.shell.metrics import ServiceMetrics
+from services.runtime.pipeline.metrics import PipelineMetrics
 from services.runtime.pipeline.scheduler import Scheduler
-from services.runtime.settings import RuntimeSettings
+from services.runtime.pipeline.settings import ModelServiceSettings
 
 
 @dataclass(eq=False)
@@ -59,8 +59,8 @@ class Recorder(Backend):
 
 def scheduler(**settings) -> tuple[Scheduler, Recorder]:
     backend = Recorder()
-    cfg = RuntimeSettings(**{"max_batch_size": 3, "batch_policy": "fixed", **settings})
-    sched = Scheduler(backend, cfg, ServiceMetrics("t"))
+    cfg = ModelServiceSettings(**{"max_batch_size": 3, "batch_policy": "fixed", **settings})
+    sched = Scheduler(backend, cfg, PipelineMetrics())
     sched.start()
     return sched, backend
 

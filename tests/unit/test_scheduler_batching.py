@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-from services.runtime.codecs.images import Timing
-from services.runtime.shell.metrics import ServiceMetrics
+from services.runtime.pipeline.timing import Timing
+from services.runtime.pipeline.metrics import PipelineMetrics
 from services.runtime.pipeline.scheduler import Scheduler
-from services.runtime.settings import RuntimeSettings
+from services.runtime.pipeline.settings import ModelServiceSettings
 from tests.unit.test_scheduler import Item, Recorder, run, until
 
 
@@ -21,7 +21,7 @@ class SizedRecorder(Recorder):
 def auto_scheduler(a: float, b: float, max_batch: int = 4, backend: Recorder | None = None,
                    **settings) -> tuple[Scheduler, Recorder]:
     backend = backend or Recorder()
-    sched = Scheduler(backend, RuntimeSettings(max_batch_size=max_batch, **settings), ServiceMetrics("t"))
+    sched = Scheduler(backend, ModelServiceSettings(max_batch_size=max_batch, **settings), PipelineMetrics())
     for size in range(1, max_batch + 1):
         sched.cost.curve.replace(size, a + b * (size - 1))
     sched.start()

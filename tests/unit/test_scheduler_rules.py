@@ -12,11 +12,11 @@ import time
 import pytest
 
 from services.runtime.pipeline.admission import Admission
-from services.runtime.codecs.images import Timing
+from services.runtime.pipeline.timing import Timing
 from services.runtime.errors import ApiError, ClientGone
-from services.runtime.shell.metrics import ServiceMetrics
+from services.runtime.pipeline.metrics import PipelineMetrics
 from services.runtime.pipeline.scheduler import Job, Scheduler, _Entry
-from services.runtime.settings import RuntimeSettings
+from services.runtime.pipeline.settings import ModelServiceSettings
 from tests.unit.test_scheduler import Client, Item, Recorder, hold, run, scheduler, until
 
 
@@ -37,7 +37,7 @@ def test_a_backend_that_cannot_batch_gets_one_item_per_call():
     async def main():
         backend = Recorder()
         backend.supports_batching = False
-        sched = Scheduler(backend, RuntimeSettings(max_batch_size=4), ServiceMetrics("t"))
+        sched = Scheduler(backend, ModelServiceSettings(max_batch_size=4), PipelineMetrics())
         sched.start()
         blocker = await hold(sched, backend)
         tasks = [asyncio.ensure_future(sched.submit([Item(n)], "k", Timing(), None)) for n in "abc"]

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from services.runtime.codecs.images import Timing
+from services.runtime.pipeline.timing import Timing
 from services.runtime.errors import ApiError, ClientGone
-from services.runtime.shell.metrics import ServiceMetrics
+from services.runtime.pipeline.metrics import PipelineMetrics
 from services.runtime.pipeline.scheduler import GpuWorker, Scheduler
-from services.runtime.settings import RuntimeSettings
+from services.runtime.pipeline.settings import ModelServiceSettings
 from tests.unit.test_scheduler import Client, Item, Recorder, hold, run, scheduler, until
 from tests.unit.test_scheduler_rules import dropped
 
@@ -128,7 +128,7 @@ def test_problem_reports_a_stuck_call_and_a_stopped_loop():
 
 def test_a_scheduler_never_started_stops_cleanly_and_reports_no_problem():
     async def main():
-        sched = Scheduler(Recorder(), RuntimeSettings(), ServiceMetrics("t"))
+        sched = Scheduler(Recorder(), ModelServiceSettings(), PipelineMetrics())
         assert sched.problem() is None and sched.in_flight == 0  # /status: nothing on the model yet
         await sched.stop()
     run(main())
@@ -260,7 +260,7 @@ def test_decode_encode_and_model_threads_yield_the_cpu_to_the_event_loop():
     import os
     import threading
 
-    from services.runtime.pipeline.model_routes import CpuPool
+    from services.runtime.pipeline.cpu_pool import CpuPool
 
     def nice() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

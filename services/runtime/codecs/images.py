@@ -15,8 +15,6 @@ its executor, never on the event loop.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +37,6 @@ Image.MAX_IMAGE_PIXELS = None
 cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
 _SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"BM")
 _REDUCED = {2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4, 8: cv2.IMREAD_REDUCED_COLOR_8}
-B64_CHUNK = 3 << 18      # base64 work in 768 kB slices: each holds the GIL for a few milliseconds only
 
 
 @dataclass(frozen=True)
@@ -176,47 +173,6 @@ def decode_image(data: bytes, limits: DecodeLimits, max_side: int | None = None)
     return decode_probed(data, probe_image(data, limits), max_side)
 
 
-_WHITESPACE = str.maketrans("", "", " \t\r\n")
-
-
-def decode_base64(text: Any, name: str, max_bytes: int | None = None) -> bytes:
-    """A base64 field (a data: URL prefix and MIME line breaks are allowed, as webui clients
-    send them); 422 when not a string, 400 when garbled. Decoded in slices so that a big
-    field never holds the GIL (and with it the event loop) for long."""
-    if not isinstance(text, str):
-        raise ApiError(422, "invalid_parameter", f"{name}: expected a base64 string")
-    if text.startswith("data:"):
-        text = text.partition(",")[2]
-    if max_bytes is not None and len(text) * 3 // 4 > max_bytes + 3 * (len(text) // 76 + 1):
-        raise ApiError(413, "body_too_large", f"{name}: over the limit of {max_bytes} bytes")
-    if any(c in text for c in " \t\r\n"):
-        text = "".join(text[i:i + B64_CHUNK].translate(_WHITESPACE) for i in range(0, len(text), B64_CHUNK))
-    if max_bytes is not None and len(text) * 3 // 4 > max_bytes:
-        raise ApiError(413, "body_too_large", f"{name}: over the limit of {max_bytes} bytes")
-    if len(text) % 4:
-        raise ApiError(400, "bad_base64", f"{name}: not valid base64")
-    step = B64_CHUNK // 3 * 4
-    try:
-        if len(text) <= step:
-            return binascii.a2b_base64(text, strict_mode=True)
-        return b"".join(binascii.a2b_base64(text[i:i + step], strict_mode=True) for i in range(0, len(text), step))
-    except (binascii.Error, ValueError):
-        raise ApiError(400, "bad_base64", f"{name}: not valid base64") from None
-
-
-class Base64Text(str):
-    """base64 text we produced: JSON answers splice it in as it is (no escaping can be needed),
-    instead of json.dumps scanning tens of megabytes with the GIL held."""
-
-
-def encode_base64(data: bytes) -> Base64Text:
-    """base64 text of `data`, in slices (see decode_base64)."""
-    if len(data) <= B64_CHUNK:
-        return Base64Text(base64.b64encode(data).decode("ascii"))
-    return Base64Text("".join(base64.b64encode(data[i:i + B64_CHUNK]).decode("ascii")
-                              for i in range(0, len(data), B64_CHUNK)))
-
-
 def choose_format(asked: str | None, accept: str, default: str = "png") -> str:
     """The output format: the one asked for, else the first image type Accept names."""
     if asked:
@@ -242,20 +198,3 @@ def encode_image(rgb: np.ndarray, fmt: str, quality: int | None = None) -> tuple
     buf = io.BytesIO()
     Image.fromarray(rgb).save(buf, format=pil_fmt, quality=quality or 85, method=0)
     return buf.getvalue(), mime
-
-
-class Timing:
-    """Per-request stage durations, for Server-Timing, metrics and logs."""
-
-    STAGES = ("decode", "queue", "infer", "encode")
-
-    def __init__(self, t0: float | None = None):
-        import time
-        self.t0 = time.perf_counter() if t0 is None else t0
-        self.stages: dict[str, float] = {}
-
-    def add(self, stage: str, seconds: float) -> None:
-        self.stages[stage] = self.stages.get(stage, 0.0) + seconds
-
-    def header(self) -> str:
-        return ", ".join(f"{k};dur={v * 1000:.2f}" for k, v in self.stages.items())

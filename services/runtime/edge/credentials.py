@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.runtime.settings import RuntimeSettings
+from services.runtime.settings import ServiceSettings
 
 
 def parse_pairs(text: str) -> list[tuple[bytes, bytes]]:
@@ -39,7 +39,7 @@ class Credentials:
     basic: list[tuple[bytes, bytes]] = field(default_factory=list)
 
     @classmethod
-    def from_settings(cls, settings: RuntimeSettings) -> "Credentials":
+    def from_settings(cls, settings: ServiceSettings) -> "Credentials":
         key = settings.resolved_api_key()
         basic: list[tuple[bytes, bytes]] = []
         if settings.basic_auth_env:

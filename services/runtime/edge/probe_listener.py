@@ -12,10 +12,10 @@ yet, so a probe (which sends its request at once) is answered however many idle
 holders come and go. A request head over ``MAX_REQUEST`` gets 431, a partial one at
 the idle deadline 408, any method but GET/HEAD 405, all in the JSON error envelope.
 
-So that a separate thread cannot make health lie, /healthz also fails when the
-service's main event loop has stopped turning (a heartbeat it writes every 100 ms) and
-when a model call is stuck: it reflects the loop that serves clients and the GPU
-worker, not just this thread.
+So that a separate thread cannot make health lie, the service's /healthz also fails
+when its main event loop has stopped turning (services.runtime.shell.heartbeat) and when
+a model call is stuck: it reflects the loop that serves clients and the GPU worker, not
+just this thread.
 """
 
 from __future__ import annotations
@@ -39,35 +39,6 @@ BACKLOG = 1024
 
 # path -> () -> (status, content type, body bytes); called in the probe thread
 ProbeRoute = Callable[[], tuple[int, str, bytes]]
-
-
-class Heartbeat:
-    """The main event loop's pulse: ``age()`` is how long since it last ran a callback."""
-
-    PERIOD_S = 0.1
-
-    def __init__(self) -> None:
-        self._last = time.monotonic()
-        self._handle: asyncio.TimerHandle | None = None
-
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        def beat() -> None:
-            self._last = time.monotonic()
-            self._handle = loop.call_later(self.PERIOD_S, beat)
-        beat()
-
-    def stop(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-
-    def age(self) -> float:
-        return time.monotonic() - self._last
-
-    def problem(self, limit_s: float) -> str | None:
-        """Why /healthz must fail (the loop has not run for ``limit_s``), or None."""
-        stalled = self.age()
-        return f"the event loop has not run for {stalled:.1f} s" if stalled > limit_s else None
 
 
 def json_route(fn: Callable[[], tuple[int, dict]]) -> ProbeRoute:

@@ -10,15 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from services.runtime.edge.body import RawRequest, parse_json_object, parse_multipart, text_fields
-from services.runtime.codecs.images import (DecodedImage, DecodeLimits, ImageHeader, decode_base64, decode_probed,
-                                    probe_image)
+from services.runtime.pipeline.raw_request import RawRequest
+from services.runtime.codecs.forms import parse_json_object, parse_multipart, text_fields
+from services.runtime.codecs.images import DecodedImage, DecodeLimits, ImageHeader, decode_probed, probe_image
+from services.runtime.codecs.base64_text import decode_base64
 from services.runtime.errors import ApiError
 from services.runtime.codecs.params import Params, as_text, merge, validate
-from services.runtime.settings import RuntimeSettings
+from services.runtime.pipeline.settings import ModelServiceSettings
 
 
-def decode_limits(settings: RuntimeSettings) -> DecodeLimits:
+def decode_limits(settings: ModelServiceSettings) -> DecodeLimits:
     return DecodeLimits(settings.max_pixels, settings.max_jpeg_scans, settings.max_image_markers)
 
 
@@ -59,14 +60,14 @@ def default_cost(max_side: int | None, validated: bool) -> CostHook:
     return check
 
 
-def read_json(raw: RawRequest, settings: RuntimeSettings) -> dict[str, Any]:
+def read_json(raw: RawRequest, settings: ModelServiceSettings) -> dict[str, Any]:
     if raw.content_type != "application/json":
         raise ApiError(415, "unsupported_media_type",
                        f"content type {raw.content_type or '(none)'!r}: send application/json")
     return parse_json_object(raw.body, settings.max_json_depth, settings.max_fields)
 
 
-def read_image_input(raw: RawRequest, settings: RuntimeSettings, *, field_name: str = "image",
+def read_image_input(raw: RawRequest, settings: ModelServiceSettings, *, field_name: str = "image",
                      max_side: int | None = None, extra_image_fields: tuple[str, ...] = (),
                      params: type[Params] | None = None, cost: CostHook | None = None) -> ImageInput:
     """The picture, its parameters and any extra picture fields, from any of the three input
@@ -83,7 +84,7 @@ def read_image_input(raw: RawRequest, settings: RuntimeSettings, *, field_name: 
     return ImageInput(decode_probed(data, header, max_side), parsed, extra, header)
 
 
-def _split(raw: RawRequest, settings: RuntimeSettings, field_name: str,
+def _split(raw: RawRequest, settings: ModelServiceSettings, field_name: str,
            extra_image_fields: tuple[str, ...]) -> tuple[bytes, dict[str, Any], dict[str, bytes]]:
     ctype = raw.content_type
     if ctype.startswith("image/"):

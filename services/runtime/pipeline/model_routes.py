@@ -1,56 +1,44 @@
-"""The request pipeline every model route goes through, and the hooks a service fills in.
+"""The request pipeline every model route goes through.
 
     auth (middleware) -> admit (queue slot or 503) -> read body (loop, limits)
       -> decode hook (CPU pool) -> queue, batch, infer (GPU worker) -> encode hook (CPU pool)
       -> respond with Server-Timing
 
-A service declares a ``ModelRoute``: ``decode(raw) -> Work`` turns the raw request into
-model items and a batching key (parse parameters, decode images); ``encode(work,
-results, raw) -> Reply`` turns results into bytes. Both run in the CPU pool, never on
-the event loop. Limits, admission, deadlines, disconnects, metrics and the dry run
+A route is a ``ModelRoute``: ``decode(raw) -> Work`` turns the raw request into model
+items and a batching key (parse parameters, decode images); ``encode(work, results,
+raw) -> Reply`` turns results into bytes. Both run in the CPU pool, never on the event
+loop. Limits, admission, deadlines, disconnects, metrics and the dry run
 (``X-Onecard-Dry-Run: 1``: everything up to the model, then ``{"valid": true}``) hold
-for every route alike, webui routes included.
+for every route alike, webui routes included. Services write their routes with the
+public API (``onecard.Model``, ``onecard.Route``), which builds these.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import json
-import secrets
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Hashable
+from typing import Any, Callable, Hashable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from services.runtime.edge.body import RawRequest, media_type, query_params, read_body
-from services.runtime.codecs.images import Base64Text, Timing
-from services.runtime.pipeline.budgets import Charge
-from services.runtime.pipeline.cost import DryRunComplete, RequestCost
+from services.runtime.codecs.forms import media_type
+from services.runtime.codecs.json_answer import json_parts
+from services.runtime.edge.body import query_params, read_body
 from services.runtime.errors import ApiError, error_responses
-from services.runtime.device.threads import lower_priority
-
-if TYPE_CHECKING:
-    from services.runtime.shell.app import ServiceContext
+from services.runtime.pipeline.admission import Admission
+from services.runtime.pipeline.backend import Backend
+from services.runtime.pipeline.cost import DryRunComplete, RequestCost
+from services.runtime.pipeline.cpu_pool import CpuPool, cpu_pool_size
+from services.runtime.pipeline.held_response import HeldResponse
+from services.runtime.pipeline.metrics import PipelineMetrics
+from services.runtime.pipeline.raw_request import RawRequest
+from services.runtime.pipeline.scheduler import Scheduler
+from services.runtime.pipeline.settings import ModelServiceSettings
+from services.runtime.pipeline.timing import Timing
 
 DRY_RUN_HEADER = "x-onecard-dry-run"
-
-
-class CpuPool:
-    """The bounded executor for decode, encode, base64 and other CPU work."""
-
-    def __init__(self, threads: int):
-        self.threads = threads
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="onecard-cpu",
-                                                           initializer=lower_priority)
-
-    async def run(self, fn: Callable, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass
@@ -69,45 +57,6 @@ class Reply:
     status: int = 200
 
 
-SPLICE_OVER = 64 * 1024
-SPLICE_STEP = 1 << 20
-
-
-def json_parts(doc: Any) -> list[bytes]:
-    """Compact JSON, as a list of byte strings to send one after the other. Big base64
-    strings we produced (codec.Base64Text) are spliced in rather than scanned by json.dumps:
-    27 MB of base64 took json.dumps 40 ms with the GIL held, which stalled the event loop
-    and the probes; nor is the answer joined into one more copy."""
-    big: list[str] = []
-    mark = f"onecard-splice-{secrets.token_hex(8)}-"  # no caller's string can hold it
-
-    def swap(node: Any) -> Any:
-        if isinstance(node, Base64Text) and len(node) > SPLICE_OVER:
-            big.append(node)
-            return f"{mark}{len(big) - 1}"
-        if isinstance(node, dict):
-            return {k: swap(v) for k, v in node.items()}
-        if isinstance(node, (list, tuple)):
-            return [swap(v) for v in node]
-        return node
-
-    skeleton = json.dumps(swap(doc), separators=(",", ":"))
-    if not big:
-        return [skeleton.encode()]
-    pieces = skeleton.split(mark)
-    parts = [pieces[0].encode()]
-    for piece in pieces[1:]:
-        index, _, rest = piece.partition('"')
-        text = big[int(index)]
-        parts += [text[i:i + SPLICE_STEP].encode("ascii") for i in range(0, len(text), SPLICE_STEP)]
-        parts += [b'"', rest.encode()]
-    return parts
-
-
-def json_bytes(doc: Any) -> bytes:
-    return b"".join(json_parts(doc))
-
-
 def json_reply(doc: Any, headers: dict[str, str] | None = None) -> Reply:
     parts = json_parts(doc)
     return Reply(parts[0] if len(parts) == 1 else parts, "application/json", headers or {})
@@ -116,7 +65,7 @@ def json_reply(doc: Any, headers: dict[str, str] | None = None) -> Reply:
 @dataclass
 class ModelRoute:
     path: str
-    decode: Callable[[RawRequest], Work]
+    decode: Callable[[RawRequest], Work | None]
     encode: Callable[[Work, list[Any], RawRequest], Reply]
     summary: str = ""
     description: str = ""
@@ -127,10 +76,20 @@ class ModelRoute:
     error_body: Callable[[ApiError], dict] | None = None  # a route-specific error shape (webui)
 
 
-class Pipeline:
-    def __init__(self, ctx: "ServiceContext"):
-        self.ctx = ctx
+class ModelPipeline:
+    """One service's model side: admission, the CPU pool, the scheduler (made when the model
+    has loaded) and the routes that feed it."""
+
+    def __init__(self, settings: ModelServiceSettings, backend: Backend, metrics: PipelineMetrics, threads: int):
+        self.settings = settings
+        self.backend = backend
+        self.metrics = metrics
+        self.admission = Admission(settings.max_queue, settings.retry_after_s)
+        self.cpu = CpuPool(settings.cpu_workers or cpu_pool_size(threads))
+        self.scheduler: Scheduler | None = None
         self.routes: dict[str, ModelRoute] = {}
+        self.ready = False
+        self.draining = False
 
     def add(self, app: FastAPI, route: ModelRoute) -> None:
         self.routes[route.path] = route
@@ -149,15 +108,14 @@ class Pipeline:
                           response_class=Response)
 
     async def handle(self, request: Request, route: ModelRoute) -> Response:
-        ctx = self.ctx
         timing = Timing()
-        if not ctx.ready or ctx.scheduler is None:
+        if not self.ready or self.scheduler is None:
             raise ApiError(503, "not_ready", "the model is still loading", {"Retry-After": "5"})
-        scheduler = ctx.scheduler
-        ticket = ctx.admission.admit()
+        scheduler = self.scheduler
+        ticket = self.admission.admit()
         charge = scheduler.cost.new_charge()
         try:
-            body = await read_body(request, ctx.settings.max_body_bytes, lambda n: charge.hold(n, "the body"))
+            body = await read_body(request, self.settings.max_body_bytes, lambda n: charge.hold(n, "the body"))
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.scope["headers"]}
             ctype = headers.get("content-type", "")
             dry_run = is_dry_run(headers)
@@ -168,7 +126,7 @@ class Pipeline:
             if work is None:  # a dry run that the hook ended after its cost check
                 return self._respond(json_reply(self._dry_run_doc(raw, None)), timing, charge)
             if raw.cost.estimate is None:  # a hook that stated no cost: what its items say
-                await ctx.cpu.run(lambda: raw.cost.check(
+                await self.cpu.run(lambda: raw.cost.check(
                     items=len(work.items), item_pixels=[scheduler.cost.item_pixels(i) for i in work.items],
                     dry_run_stops_here=False))
             if dry_run:
@@ -176,20 +134,20 @@ class Pipeline:
             try:
                 results = await scheduler.submit(work.items, work.key, timing, request.receive, ticket)
             except asyncio.CancelledError:
-                if not ctx.draining:
+                if not self.draining:
                     raise
                 # the drain ran out of time: say so, retryably, instead of uvicorn's plain 500
                 raise ApiError(503, "shutting_down", "the service stopped before this request finished; retry",
-                               {"Retry-After": str(ctx.settings.retry_after_s), "Connection": "close"}) from None
-            ctx.metrics.stage.labels(route.path, "queue").observe(timing.stages.get("queue", 0.0))
-            ctx.metrics.stage.labels(route.path, "infer").observe(timing.stages.get("infer", 0.0))
+                               {"Retry-After": str(self.settings.retry_after_s), "Connection": "close"}) from None
+            self.metrics.stage.labels(route.path, "queue").observe(timing.stages.get("queue", 0.0))
+            self.metrics.stage.labels(route.path, "infer").observe(timing.stages.get("infer", 0.0))
             t1 = time.perf_counter()
             try:
-                reply = await ctx.cpu.run(route.encode, work, results, raw)
+                reply = await self.cpu.run(route.encode, work, results, raw)
             finally:
                 dt = time.perf_counter() - t1
                 timing.add("encode", dt)
-                ctx.metrics.stage.labels(route.path, "encode").observe(dt)
+                self.metrics.stage.labels(route.path, "encode").observe(dt)
             del work, results, raw, body
             charge.account(reply_size(reply))  # only the answer is held now, until it is sent
         except BaseException:
@@ -200,19 +158,18 @@ class Pipeline:
         return self._respond(reply, timing, charge)
 
     async def _decode(self, route: ModelRoute, raw: RawRequest, timing: Timing) -> Work | None:
-        ctx = self.ctx
         token = object()
-        ctx.scheduler.decoding_started(token)
+        self.scheduler.decoding_started(token)
         t0 = time.perf_counter()
         try:
-            return await ctx.cpu.run(route.decode, raw)
+            return await self.cpu.run(route.decode, raw)
         except DryRunComplete:
             return None
         finally:
-            ctx.scheduler.decoding_done(token)
+            self.scheduler.decoding_done(token)
             dt = time.perf_counter() - t0
             timing.add("decode", dt)
-            ctx.metrics.stage.labels(route.path, "decode").observe(dt)
+            self.metrics.stage.labels(route.path, "decode").observe(dt)
 
     @staticmethod
     def _dry_run_doc(raw: RawRequest, work: Work | None) -> dict[str, Any]:
@@ -221,7 +178,7 @@ class Pipeline:
         return {"valid": True, "items": items, "cost": None if estimate is None else estimate.as_dict()}
 
     @staticmethod
-    def _respond(reply: Reply, timing: Timing, charge: Charge | None = None) -> Response:
+    def _respond(reply: Reply, timing: Timing, charge=None) -> Response:
         headers = {**reply.headers, "Server-Timing": timing.header()}
         return HeldResponse(reply.body, status_code=reply.status, media_type=reply.media_type, headers=headers,
                             charge=charge)
@@ -231,33 +188,9 @@ def is_dry_run(headers: dict[str, str]) -> bool:
     return headers.get(DRY_RUN_HEADER, "").strip().lower() in ("1", "true")
 
 
+def is_dry_run_scope(scope: dict) -> bool:
+    return any(k == b"x-onecard-dry-run" and v.strip().lower() in (b"1", b"true") for k, v in scope["headers"])
+
+
 def reply_size(reply: Reply) -> int:
     return len(reply.body) if isinstance(reply.body, bytes) else sum(map(len, reply.body))
-
-
-class HeldResponse(Response):
-    """A response whose bytes stay charged to the memory ledger until they are sent (or the
-    connection is gone): an answer a client does not read still counts. A body given as a
-    list of parts is sent part after part."""
-
-    def __init__(self, content: bytes | list[bytes], *args: Any, charge: Charge | None = None, **kwargs: Any):
-        self._parts = None if isinstance(content, bytes) else content
-        super().__init__(content if isinstance(content, bytes) else b"", *args, **kwargs)
-        if self._parts is not None:
-            self.headers["content-length"] = str(sum(map(len, self._parts)))
-        self._charge = charge
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            if self._parts is None:
-                await super().__call__(scope, receive, send)
-                return
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            if scope.get("method") != "HEAD":
-                for n, part in enumerate(self._parts):
-                    await send({"type": "http.response.body", "body": part, "more_body": n < len(self._parts) - 1})
-            else:
-                await send({"type": "http.response.body", "body": b""})
-        finally:
-            if self._charge is not None:
-                self._charge.close()

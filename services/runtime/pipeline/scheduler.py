@@ -27,12 +27,12 @@ from services.runtime.device import host_memory as memory
 from services.runtime.pipeline.admission import Ticket
 from services.runtime.pipeline.backend import Backend, is_out_of_memory
 from services.runtime.pipeline.batch_policy import BatchPolicy, Decision
-from services.runtime.codecs.images import Timing
+from services.runtime.pipeline.timing import Timing
 from services.runtime.pipeline.cost import ServiceCost
 from services.runtime.errors import ApiError, ClientGone
 from services.runtime.pipeline.fifo_lock import FifoLock
-from services.runtime.shell.metrics import ServiceMetrics
-from services.runtime.settings import RuntimeSettings
+from services.runtime.pipeline.metrics import PipelineMetrics
+from services.runtime.pipeline.settings import ModelServiceSettings
 from services.runtime.pipeline.warmup import measured_call
 from services.runtime.pipeline.gpu_worker import GpuWorker, wait_disconnect
 
@@ -77,7 +77,7 @@ class _Entry:
 
 
 class Scheduler:
-    def __init__(self, backend: Backend, settings: RuntimeSettings, metrics: ServiceMetrics,
+    def __init__(self, backend: Backend, settings: ModelServiceSettings, metrics: PipelineMetrics,
                  worker: GpuWorker | None = None, cost: ServiceCost | None = None):
         self.backend, self.settings, self.metrics = backend, settings, metrics
         self.worker = worker or GpuWorker()

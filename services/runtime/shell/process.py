@@ -1,4 +1,4 @@
-"""A service process: `python -m services.runtime.serve`, started by the supervisor.
+"""A service process (``python -m services.runtime.serve``, as the supervisor starts it).
 
 Everything it needs comes from the environment the supervisor built (see
 supervisor/plan.py): the app factory (``ONECARD_SERVICE_APP``, "module:function"),
@@ -19,8 +19,9 @@ takes) until the supervisor's SIGKILL. So when in-flight work was cut the proces
 exits 75 at once, and a watchdog started by the stop signal exits 75 at the latest
 ``drain_s + min(1, drain_s / 2)`` after it, whatever is still running.
 
-The app is served behind the auth failure gate (services.runtime.edge.auth_failures): the
-rate limit of credential guessing holds for every service started here.
+The shell (services.runtime.shell.app) puts the auth failure gate in front of its apps; an
+ASGI app built without the shell is served behind one here, so the rate limit of
+credential guessing holds for every service started by this module.
 """
 
 from __future__ import annotations
@@ -156,27 +157,28 @@ def main() -> int:
 
     from services.runtime.edge.auth_failures import AuthFailureGate, FailureLimiter
     from services.runtime.edge.connection_limits import limits_from_settings
+    from services.runtime.edge.metrics import EdgeCollector
     from services.runtime.edge.protocol import ConnectionStats, guarded_protocol
     from services.runtime.edge.send_deadline import KernelQueueLinger
 
     fds = raise_open_files_limit()
-    ctx = getattr(getattr(app, "state", None), "ctx", None)
-    limits = limits_from_settings(getattr(ctx, "settings", None), fds)
+    shell = getattr(getattr(app, "state", None), "shell", None)
+    settings = getattr(shell, "settings", None)
+    limits = limits_from_settings(settings, fds)
     linger = KernelQueueLinger(limits.send_timeout_s, limits.max_connections)
-    limiter = FailureLimiter(_setting(ctx, "auth_max_failures", 10), _setting(ctx, "auth_failure_window_s", 60.0))
-    registry = getattr(getattr(ctx, "metrics", None), "registry", None)
-    if registry is not None:
-        from services.runtime.edge.metrics import EdgeCollector
-        registry.register(EdgeCollector(ConnectionStats, limiter, linger))
+    if shell is not None:
+        shell.metrics.registry.register(EdgeCollector(ConnectionStats, shell.limiter, linger))
+    else:  # an ASGI app built without the shell: credential guessing is still slowed down
+        app = AuthFailureGate(app, FailureLimiter(10, 60.0))
     drain_s = _seconds(env, "ONECARD_DRAIN_S", "ONECARD_GRACE_S", default=8.0)
     config = uvicorn.Config(
-        AuthFailureGate(app, limiter),
+        app,
         host=env.get("ONECARD_SERVICE_HOST", "127.0.0.1"),
         port=int(env.get("ONECARD_SERVICE_PORT", "8000")),
         log_level=env.get("ONECARD_LOG_LEVEL", "info"),
-        access_log=False,  # the runtime's own request log (ONECARD_ACCESS_LOG=1) carries timings
+        access_log=False,  # the shell's own request log (ONECARD_ACCESS_LOG=1) carries timings
         timeout_graceful_shutdown=drain_s,
-        timeout_keep_alive=_setting(ctx, "keepalive_timeout_s", 5.0),
+        timeout_keep_alive=getattr(settings, "keepalive_timeout_s", 5.0),
         lifespan="on",
         http=guarded_protocol(limits, linger=linger),
         ws="none",  # no route takes a WebSocket; an installed library must not bypass the guarded protocol
@@ -189,8 +191,8 @@ def main() -> int:
         drained = False
 
         def handle_exit(self, sig, frame):  # readiness goes 503 the moment the drain starts
-            if ctx is not None:
-                ctx.draining = True
+            if shell is not None:
+                shell.begin_drain()
             stop_requested.set()  # only flags: the watchdog thread does the waiting
             super().handle_exit(sig, frame)
 
@@ -218,11 +220,3 @@ def main() -> int:
         # in-flight work was cancelled, but a model call keeps its thread: do not wait for it
         hard_exit(EXIT_DRAIN_CUT)
     return 0
-
-
-def _setting(ctx, name: str, default):
-    return getattr(getattr(ctx, "settings", None), name, default)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
