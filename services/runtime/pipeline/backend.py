@@ -59,6 +59,10 @@ class Backend:
     def on_out_of_memory(self) -> None:
         """Free what can be freed after a GPU out-of-memory error."""
 
+    def progress(self) -> dict[str, Any] | None:
+        """The running call's progress, as the model reports it (None: no call, or unknown)."""
+        return None
+
 
 def is_out_of_memory(exc: BaseException) -> bool:
     import sys

@@ -131,8 +131,9 @@ class ModelPipeline:
                     dry_run_stops_here=False))
             if dry_run:
                 return self._respond(json_reply(self._dry_run_doc(raw, work)), timing, charge)
-            try:
-                results = await scheduler.submit(work.items, work.key, timing, request.receive, ticket)
+            try:  # a request that brought no item has nothing to run
+                results = await scheduler.submit(work.items, work.key, timing, request.receive, ticket) \
+                    if work.items else []
             except asyncio.CancelledError:
                 if not self.draining:
                     raise

@@ -149,6 +149,7 @@ class ModelPart(ServicePart):
             "gpu_memory_bytes": self._gpu_memory(),
             "dry_runs": self.metrics.dry_runs,
             "batching": sched.batching_stats() if sched else None,
+            "call": self.backend.progress(),
         }
 
     def _gpu_memory(self) -> int | None:
