@@ -136,7 +136,8 @@ def main() -> int:
     print(table(rows, ("mode", "conc", "served rps", "bare rps", "served/bare", "p50 ms", "p99 ms", "statuses")))
     print(f"serving overhead at concurrency 1, one image, interleaved: served p50 {overhead['served_p50_ms']:.2f} ms"
           f" - bare p50 {overhead['bare_p50_ms']:.2f} ms = {overhead['difference_p50_ms']:.2f} ms; outside decode"
-          f" and inference p50 {overhead['outside_model_p50_ms']:.2f} ms, p99 {overhead['outside_model_p99_ms']:.2f} ms")
+          f" and inference p50 {overhead['outside_model_p50_ms']:.2f} ms,"
+          f" p99 {overhead['outside_model_p99_ms']:.2f} ms")
     print(f"written: {path}")
     return 0
 

@@ -42,6 +42,7 @@ def sd15_random(path: Path) -> Path:
     import torch
     from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionImg2ImgPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
+
     from tests.models import tiny_sd_img2img
     tok_src = tiny_sd_img2img(Path(tempfile.mkdtemp()) / "tok")  # a CLIP tokenizer built offline
     torch.manual_seed(0)

@@ -68,6 +68,7 @@ def naive_run(duration: float, conc: int) -> dict:
 def img2img_throughput(duration: float, conc: int) -> dict:
     os.environ["ONECARD_SERVICE_THREADS"] = "1"
     from PIL import Image
+
     from services.img2img.params import Img2ImgItem, parse_style
     from services.img2img.progress import Progress
     from services.img2img.settings import Img2ImgSettings

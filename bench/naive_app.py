@@ -8,10 +8,9 @@ import asyncio
 import concurrent.futures
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-
-import numpy as np
 from PIL import Image
 
 from services.detect.backends import CenterFaceBackend, DetectItem

@@ -46,8 +46,8 @@ _NAMES = {
     "Float": "onecard._types", "Int": "onecard._types", "Bool": "onecard._types", "Str": "onecard._types",
     "Text": "onecard._types",
     # the advanced layer: several routes, plain routes, pictures in custom fields
-    "Route": "onecard._routes", "Service": "onecard._routes", "ImageHeader": "onecard._types",
-    "IMAGE_FORMATS": "onecard._types", "openapi_schema": "onecard._types",
+    "Route": "onecard._routes", "Service": "onecard._routes", "ImageHeader": "onecard._answers",
+    "IMAGE_FORMATS": "onecard._answers", "openapi_schema": "onecard._types",
     "decode_base64": "onecard._answers", "encode_base64": "onecard._answers", "encode_image": "onecard._answers",
     "check_encodable": "onecard._answers",
 }

@@ -1,6 +1,6 @@
-"""The public names that are the runtime's own: settings, errors, strict parameters, picture
-headers. Defined once in the runtime; here they get their public names and, for
-parameters, the helpers a service author needs."""
+"""The public names that are the runtime's own: settings, errors, strict parameters. Defined
+once in the runtime; here they get their public names and, for parameters, the helpers a
+service author needs. Nothing heavier than pydantic is imported here."""
 
 from __future__ import annotations
 
@@ -10,16 +10,11 @@ from typing import Any
 from pydantic import BaseModel
 
 from onecard._settings import Settings
-from services.runtime.codecs.images import ALLOWED_FORMATS, ImageHeader
 from services.runtime.codecs.params import Bool, Float, Int, Str, Text, inline_schema, query_parameters, validate
 from services.runtime.codecs.params import Params as _RuntimeParams
 from services.runtime.errors import ApiError
 
-__all__ = ["Bool", "Error", "Float", "IMAGE_FORMATS", "ImageHeader", "Int", "Params", "Settings", "Str", "Text",
-           "openapi_schema"]
-
-# what a request's pictures may be; anything else is refused with 415 before a decoder sees it
-IMAGE_FORMATS: tuple[str, ...] = ALLOWED_FORMATS
+__all__ = ["Bool", "Error", "Float", "Int", "Params", "Settings", "Str", "Text", "openapi_schema"]
 
 
 Error = ApiError

@@ -20,15 +20,15 @@ from pydantic import Field
 from services.img2img.params import Img2ImgItem, Img2ImgParams, parse_style, resolve_seed
 from services.img2img.progress import Progress
 from services.img2img.settings import Img2ImgSettings
-from services.runtime.shell.model_part import model_service_app
-from services.runtime.pipeline.raw_request import RawRequest
-from services.runtime.codecs.images import choose_format, decode_image, encode_image
 from services.runtime.codecs.base64_text import encode_base64
-from services.runtime.errors import ApiError
 from services.runtime.codecs.encoder_limits import check_encodable
-from services.runtime.pipeline.image_input import ProbedInput, decode_limits, read_image_input
+from services.runtime.codecs.images import choose_format, decode_image, encode_image
 from services.runtime.codecs.params import Params, inline_schema, query_parameters
+from services.runtime.errors import ApiError
+from services.runtime.pipeline.image_input import ProbedInput, decode_limits, read_image_input
 from services.runtime.pipeline.model_routes import ModelRoute, Reply, Work, json_reply
+from services.runtime.pipeline.raw_request import RawRequest
+from services.runtime.shell.model_part import model_service_app
 
 BINARY = {"schema": {"type": "string", "format": "binary"}}
 
@@ -67,7 +67,7 @@ class Img2ImgRoutes:
         return steps
 
     def check_prompts(self, *texts: str) -> None:
-        for name, text in zip(("prompt", "negative_prompt"), texts):
+        for name, text in zip(("prompt", "negative_prompt"), texts, strict=False):
             if len(text) > self.cfg.max_prompt_chars:
                 raise ApiError(422, "invalid_parameter", f"{name}: at most {self.cfg.max_prompt_chars} characters")
 

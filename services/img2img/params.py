@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 import random
 import threading
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field, field_validator

@@ -23,9 +23,9 @@ from services.img2img.params import PASSTHROUGH, Cancelled, Img2ImgItem
 from services.img2img.progress import LatentPreview, Progress
 from services.img2img.settings import Img2ImgSettings
 from services.img2img.style import fit
-from services.runtime.pipeline.backend import Backend
-from services.runtime.errors import ApiError
 from services.runtime.device.gpu import apply_torch_budget
+from services.runtime.errors import ApiError
+from services.runtime.pipeline.backend import Backend
 
 DIFFUSERS_SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
     "ddim": ("DDIMScheduler", {}), "euler": ("EulerDiscreteScheduler", {}),
@@ -62,8 +62,7 @@ class DiffusersBackend(Backend):
 
     def load(self) -> None:
         import torch
-        from diffusers import (StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline,
-                               StableDiffusionPipeline)
+        from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline, StableDiffusionPipeline
         s = self.settings
         cuda = s.device in ("auto", "cuda") and torch.cuda.is_available()
         if s.device == "cuda" and not cuda:
@@ -145,7 +144,7 @@ class DiffusersBackend(Backend):
         # a webui interrupt ended the request these belong to: what had not started is not generated
         run = [i for i in items if not self.progress.stopped(i.job)]
         if len(run) < len(items):
-            done = dict(zip(map(id, run), self.infer_batch(run))) if run else {}
+            done = dict(zip(map(id, run), self.infer_batch(run), strict=False)) if run else {}
             return [done.get(id(i)) for i in items]
         scheduler = self._scheduler(first.sampler or self.settings.scheduler)
         pipe = self.pipes[kind]

@@ -35,10 +35,11 @@ class Img2ImgSettings(ModelServiceSettings):
                                                "largest POST /sdapi/v1/options body (413 beyond)")
     max_info_chars: int = Field(2**20, ge=1024, le=2**30,
                                 description="webui png-info: metadata text answered at most (longer text is cut)")
-    default_format: Literal["png", "jpeg", "webp"] = Field("png", description="output format when the client names none")
+    default_format: Literal["png", "jpeg", "webp"] = Field("png",
+                                                           description="output format when the client names none")
 
     @model_validator(mode="after")
-    def _diffusers_needs_a_model(self) -> "Img2ImgSettings":
+    def _diffusers_needs_a_model(self) -> Img2ImgSettings:
         if self.backend == "diffusers" and not self.model_path:
             raise ValueError("backend 'diffusers' needs model_path (a local model directory)")
         return self

@@ -17,9 +17,9 @@ from PIL import Image
 from services.img2img.params import PASSTHROUGH, Img2ImgItem
 from services.img2img.progress import Progress
 from services.img2img.settings import Img2ImgSettings
-from services.runtime.pipeline.backend import Backend
 from services.runtime.device.gpu import check_session_device, ort_providers
 from services.runtime.device.threads import ort_run_options, ort_session_options, planned_threads
+from services.runtime.pipeline.backend import Backend
 
 
 def fit_size(width: int, height: int, max_side: int, multiple: int, minimum: int = 0) -> tuple[int, int]:
@@ -88,6 +88,7 @@ class StyleBackend(Backend):
 
     def warmup_items(self) -> list[Any]:
         from skimage import data
+
         from services.img2img.params import parse_style
         item = Img2ImgItem(Image.fromarray(data.astronaut()), "", "", 1.0, 1, 0.0, 0, (256, 256),
                            style_weights=parse_style(0))
@@ -102,7 +103,7 @@ class StyleBackend(Backend):
         # a webui interrupt ended the request these belong to: what had not started is not run
         run = [i for i in items if not self.progress.stopped(i.job)]
         if len(run) < len(items):
-            done = dict(zip(map(id, run), self.infer_batch(run))) if run else {}
+            done = dict(zip(map(id, run), self.infer_batch(run), strict=False)) if run else {}
             return [done.get(id(i)) for i in items]
         self.progress.begin([i.job for i in items], 1)
         try:

@@ -35,13 +35,13 @@ from services.img2img.webui_info import WebuiState, info_document, infotext, sda
 from services.img2img.webui_json import picture_bytes, read_webui_json
 from services.img2img.webui_models import WebuiBase, WebuiImg2Img, WebuiTxt2Img, echoed_parameters
 from services.img2img.webui_options import OUTPUT_FORMATS
-from services.runtime.pipeline.raw_request import RawRequest
-from services.runtime.codecs.images import ImageHeader, decode_probed, probe_image
-from services.runtime.errors import ApiError
 from services.runtime.codecs.encoder_limits import check_encodable
-from services.runtime.pipeline.image_input import decode_limits
+from services.runtime.codecs.images import ImageHeader, decode_probed, probe_image
 from services.runtime.codecs.params import inline_schema, validate
+from services.runtime.errors import ApiError
+from services.runtime.pipeline.image_input import decode_limits
 from services.runtime.pipeline.model_routes import ModelRoute, Reply, Work, json_reply
+from services.runtime.pipeline.raw_request import RawRequest
 
 ROUTE_ERRORS = (400, 401, 404, 413, 415, 422, 500, 503, 504)
 

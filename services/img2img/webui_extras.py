@@ -34,16 +34,16 @@ from services.img2img import webui_schemas as ws
 from services.img2img.params import PassthroughItem
 from services.img2img.webui_info import WebuiState, sdapi_error
 from services.img2img.webui_json import picture_bytes, read_webui_json
+from services.img2img.webui_models import Bool, Float
 from services.img2img.webui_options import OUTPUT_FORMATS
 from services.runtime.codecs import jpeg
-from services.runtime.pipeline.raw_request import RawRequest
-from services.runtime.codecs.images import ALLOWED_FORMATS, decode_image
-from services.runtime.errors import ApiError
 from services.runtime.codecs.encoder_limits import check_encodable
-from services.runtime.pipeline.image_input import decode_limits
-from services.img2img.webui_models import Bool, Float
+from services.runtime.codecs.images import ALLOWED_FORMATS, decode_image
 from services.runtime.codecs.params import Params, Str, inline_schema, validate
+from services.runtime.errors import ApiError
+from services.runtime.pipeline.image_input import decode_limits
 from services.runtime.pipeline.model_routes import ModelRoute, Reply, Work, json_reply
+from services.runtime.pipeline.raw_request import RawRequest
 
 UPSCALER_NAMES = ("None", "Lanczos", "Nearest")
 ERRORS = (400, 401, 413, 415, 422, 500, 503, 504)
@@ -272,7 +272,7 @@ class ExtrasRoutes:
         state = work.state
         limits = decode_limits(self.r.cfg)
         images, text = [], ""
-        for name, data, source_format, up in state["plans"]:
+        for _name, data, source_format, up in state["plans"]:
             parameters = None
             if source_format == "PNG" and opts.get("enable_pnginfo", True):  # the webui keeps a picture's infotext
                 parameters = webui_infotext.open_metadata(data, ("PNG",)).info.get("parameters")

@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastapi.responses import JSONResponse
 

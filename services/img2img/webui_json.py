@@ -15,10 +15,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from services.runtime.pipeline.raw_request import RawRequest
 from services.runtime.codecs.base64_text import decode_base64
 from services.runtime.errors import ApiError
 from services.runtime.pipeline.image_input import read_json
+from services.runtime.pipeline.raw_request import RawRequest
 from services.runtime.pipeline.settings import ModelServiceSettings
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

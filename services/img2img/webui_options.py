@@ -20,8 +20,9 @@ from __future__ import annotations
 import json
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from services.img2img.params import parse_style
 from services.runtime.errors import ApiError

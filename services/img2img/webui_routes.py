@@ -10,11 +10,12 @@ answers the bytes the store encoded when it last changed.
 
 from __future__ import annotations
 
+import base64
 import inspect
 import io
 import json
-import base64
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response

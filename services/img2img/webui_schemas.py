@@ -7,8 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.runtime.errors import ERROR_STATUSES
 from services.runtime.codecs.params import inline_schema
+from services.runtime.errors import ERROR_STATUSES
 
 
 class _Out(BaseModel):

@@ -10,8 +10,8 @@ import concurrent.futures.process
 import logging
 import multiprocessing
 import os
-from typing import Any, Callable
-
+from collections.abc import Callable
+from typing import Any
 
 from services.jobs.admission import SubmitBudget
 from services.jobs.broker import Broker, ModelInfo, QueueUnavailable
@@ -181,7 +181,7 @@ class JobsService:
                 return found
             try:
                 await asyncio.wait_for(ev.wait(), wait_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             return await self.broker.get(job_id)
         finally:

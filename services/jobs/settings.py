@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 from urllib.parse import urlsplit
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.runtime.settings import ServiceSettings, StartupConfigError
@@ -67,7 +68,8 @@ class QueueSettings(_Strict):
                                         description="a running job whose unit stopped renewing it is re-run after this")
     max_attempts: int = Field(3, ge=1, le=100, description="runs that ended in a 5xx, a timeout or a lost unit; "
                               "then the job fails and goes to the dead-letter stream")
-    idempotency_ttl_s: float = Field(86400.0, gt=0, le=30 * 86400, description="how long an Idempotency-Key is remembered")
+    idempotency_ttl_s: float = Field(86400.0, gt=0, le=30 * 86400,
+                                     description="how long an Idempotency-Key is remembered")
     prefix: str = Field("onecard:jobs", pattern=r"^[A-Za-z0-9_:.-]{1,64}$", description="key prefix in Redis")
     group: str = Field("onecard", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="consumer group on every stream")
     dead_letter_maxlen: int = Field(10_000, ge=1, description="dead-letter entries kept per stream (approximate trim)")
@@ -164,7 +166,8 @@ class JobsSettings(ServiceSettings):
         default_factory=dict, description="local services by name: a URL or a table (url, model_label, ...)")
     consume: bool = Field(True, description="run jobs on this unit's services (false: an API-only unit)")
     node_name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,128}$",
-                                  description="this unit's name in job states (default: $ONECARD_NODE_NAME from [services.jobs.env], "
+                                  description="this unit's name in job states (default: $ONECARD_NODE_NAME from "
+                                  "[services.jobs.env], "
                                   "$HOSTNAME, the host name)")
     accept_models: list[str] = Field(default_factory=list, description="model labels accepted at submit before "
                                      "any unit has announced them (units scaled to zero)")
@@ -214,7 +217,7 @@ class JobsSettings(ServiceSettings):
         return v
 
     @model_validator(mode="after")
-    def _defaults_are_labels(self) -> "JobsSettings":
+    def _defaults_are_labels(self) -> JobsSettings:
         for service, label in self.default_models.items():
             if not LABEL_RE.fullmatch(label) or label.split("/", 1)[0] != service:
                 raise ValueError(f"default_models.{service}: expected '{service}/backend/model', got {label!r}")

@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
-from typing import Any
 
 import cv2
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from services.runtime.codecs import png_bmp as formats
 from services.runtime.codecs import jpeg
-from services.runtime.errors import ApiError
+from services.runtime.codecs import png_bmp as formats
 from services.runtime.codecs.encoder_limits import check_encodable
+from services.runtime.errors import ApiError
 
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP")
 OUTPUT_FORMATS = {"png": ("PNG", "image/png"), "jpeg": ("JPEG", "image/jpeg"), "webp": ("WEBP", "image/webp")}

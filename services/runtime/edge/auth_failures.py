@@ -21,7 +21,7 @@ import collections
 import json
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 MAX_CLIENTS = 4096
 CREDENTIAL_HEADERS = frozenset({b"authorization", b"x-api-key"})

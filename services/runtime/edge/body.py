@@ -7,7 +7,7 @@ Parsing is CPU work and runs off the loop (services.runtime.codecs.forms).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from starlette.requests import ClientDisconnect, Request
 

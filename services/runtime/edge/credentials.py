@@ -39,7 +39,7 @@ class Credentials:
     basic: list[tuple[bytes, bytes]] = field(default_factory=list)
 
     @classmethod
-    def from_settings(cls, settings: ServiceSettings) -> "Credentials":
+    def from_settings(cls, settings: ServiceSettings) -> Credentials:
         key = settings.resolved_api_key()
         basic: list[tuple[bytes, bytes]] = []
         if settings.basic_auth_env:

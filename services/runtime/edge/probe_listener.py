@@ -25,8 +25,7 @@ import json
 import logging
 import os
 import threading
-import time
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger("onecard.service")
 MAX_REQUEST = 8 * 1024
@@ -175,7 +174,7 @@ class ProbeServer:
                 await self._reply(writer, "GET", *_error(431, "headers_too_large",
                                                          f"a probe request is at most {MAX_REQUEST} bytes"))
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if head:  # sent part of a request: say why it is closed
                     me.answering = True
                     await self._reply(writer, "GET", *_error(408, "request_timeout",
@@ -225,5 +224,5 @@ class ProbeServer:
                      f"Connection: close\r\n\r\n".encode() + (b"" if method == "HEAD" else body))
         try:
             await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             writer.transport.abort()

@@ -220,7 +220,8 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 if phase_before in (IDLE, HEAD) and self._heads_in_read == 0:
                     self._waiting_bytes += n
                 if self._waiting_bytes > limits.max_header_bytes:
-                    self._refuse_request(too_large(f"request line and headers are over {limits.max_header_bytes} bytes"))
+                    self._refuse_request(too_large(
+                        f"request line and headers are over {limits.max_header_bytes} bytes"))
             elif phase_before == BODY and self._message_no == message_before:
                 self._body_bytes += n
                 if self._body_bytes > limits.max_body_framing_bytes:

@@ -25,7 +25,7 @@ import os
 import socket
 import struct
 import termios
-from typing import Callable
+from collections.abc import Callable
 
 # Sockets closed with more than this still unsent are watched; a smaller tail drains on
 # its own or costs the kernel little.

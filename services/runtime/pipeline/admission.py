@@ -17,7 +17,7 @@ class Ticket:
 
     __slots__ = ("_admission", "state")
 
-    def __init__(self, admission: "Admission"):
+    def __init__(self, admission: Admission):
         self._admission = admission
         self.state = "waiting"
 

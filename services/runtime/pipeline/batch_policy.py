@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import bisect
 import collections
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Callable, Hashable
 
 MARGIN = 0.03           # waiting must beat running now by this share of the per-item cost
 HISTORY_ENDS = 48       # model-free moments remembered
@@ -92,7 +92,7 @@ class ArrivalHistory:
         shares = [RECENCY ** age for age in range(len(windows) - 1, -1, -1)]
         total = sum(shares)
         pairs: list[tuple[float, float]] = []
-        for start, share in zip(windows, shares):
+        for start, share in zip(windows, shares, strict=False):
             i = bisect.bisect_right(self._times, start)
             j = bisect.bisect_right(self._times, start + since_free + horizon)
             for n in range(i, j):

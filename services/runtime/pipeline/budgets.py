@@ -94,7 +94,7 @@ class HeldMemory:
         self.refused = 0
         self._lock = threading.Lock()
 
-    def resize(self, charge: "Charge", new_bytes: int, what: str, force: bool = False) -> None:
+    def resize(self, charge: Charge, new_bytes: int, what: str, force: bool = False) -> None:
         """Move one request's holding to `new_bytes`; raises 503 when the others leave no room
         (unless `force`: what is already there is counted, never refused)."""
         with self._lock:
@@ -109,7 +109,7 @@ class HeldMemory:
             self.peak = max(self.peak, self.used)
             charge.bytes = new_bytes
 
-    def release(self, charge: "Charge") -> None:
+    def release(self, charge: Charge) -> None:
         with self._lock:
             self.used -= charge.bytes
             charge.bytes = 0

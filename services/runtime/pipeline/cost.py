@@ -13,12 +13,13 @@ to a batch, and splits a request's items over several calls when they do not fit
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
+from services.runtime.errors import ApiError
 from services.runtime.pipeline.budgets import Budgets, Charge, HeldMemory, mib
 from services.runtime.pipeline.cost_curves import BatchCurve, MemoryCurve
-from services.runtime.errors import ApiError
 
 BYTES_PER_PIXEL = 3          # RGB, 8 bits a channel, as decoded and as produced
 BASE64 = 4 / 3

@@ -75,7 +75,7 @@ class BatchCurve:
         if size <= points[0][0]:
             s0, t0 = points[0]
             return t0 * size / s0 if s0 > 1 and size < s0 else t0
-        for (s0, t0), (s1, t1) in zip(points, points[1:]):
+        for (s0, t0), (s1, t1) in zip(points, points[1:], strict=False):
             if s0 <= size <= s1:
                 return t0 + (t1 - t0) * (size - s0) / (s1 - s0)
         s_last, t_last = points[-1]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class FifoLock:
@@ -77,7 +77,7 @@ class FifoLock:
         if self._on_wait is not None:
             self._on_wait(waited)
 
-    async def __aenter__(self) -> "FifoLock":
+    async def __aenter__(self) -> FifoLock:
         await self.acquire()
         return self
 

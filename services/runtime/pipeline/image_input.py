@@ -7,15 +7,16 @@ multipart form (file field ``image``, other fields as text), or a JSON object
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from services.runtime.pipeline.raw_request import RawRequest
+from services.runtime.codecs.base64_text import decode_base64
 from services.runtime.codecs.forms import parse_json_object, parse_multipart, text_fields
 from services.runtime.codecs.images import DecodedImage, DecodeLimits, ImageHeader, decode_probed, probe_image
-from services.runtime.codecs.base64_text import decode_base64
-from services.runtime.errors import ApiError
 from services.runtime.codecs.params import Params, as_text, merge, validate
+from services.runtime.errors import ApiError
+from services.runtime.pipeline.raw_request import RawRequest
 from services.runtime.pipeline.settings import ModelServiceSettings
 
 

@@ -25,7 +25,8 @@ class PipelineMetrics:
                                     "Time the batch loop waited for more items before a model call (auto policy).",
                                     buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2), registry=r)
         self.batch_cost = Gauge("onecard_batch_cost_seconds",
-                                "The learned time of one model call by batch size (per unit of the warm-up item's work).",
+                                "The learned time of one model call by batch size (per unit of the warm-up item's "
+                                "work).",
                                 ["batch_size"], registry=r)
         self.memory_budget = Gauge("onecard_memory_budget_bytes",
                                    "The service's memory budgets: service, call (one model call), held (admitted "

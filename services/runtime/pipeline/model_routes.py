@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -126,9 +127,7 @@ class ModelPipeline:
             if work is None:  # a dry run that the hook ended after its cost check
                 return self._respond(json_reply(self._dry_run_doc(raw, None)), timing, charge)
             if raw.cost.estimate is None:  # a hook that stated no cost: what its items say
-                await self.cpu.run(lambda: raw.cost.check(
-                    items=len(work.items), item_pixels=[scheduler.cost.item_pixels(i) for i in work.items],
-                    dry_run_stops_here=False))
+                await self.cpu.run(self._cost_of_items, raw, work)
             if dry_run:
                 return self._respond(json_reply(self._dry_run_doc(raw, work)), timing, charge)
             try:  # a request that brought no item has nothing to run
@@ -171,6 +170,10 @@ class ModelPipeline:
             dt = time.perf_counter() - t0
             timing.add("decode", dt)
             self.metrics.stage.labels(route.path, "decode").observe(dt)
+
+    def _cost_of_items(self, raw: RawRequest, work: Work) -> None:
+        raw.cost.check(items=len(work.items), item_pixels=[self.scheduler.cost.item_pixels(i) for i in work.items],
+                       dry_run_stops_here=False)
 
     @staticmethod
     def _dry_run_doc(raw: RawRequest, work: Work | None) -> dict[str, Any]:

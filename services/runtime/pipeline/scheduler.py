@@ -20,21 +20,22 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any
 
 from services.runtime.device import host_memory as memory
+from services.runtime.errors import ApiError, ClientGone
 from services.runtime.pipeline.admission import Ticket
 from services.runtime.pipeline.backend import Backend, is_out_of_memory
 from services.runtime.pipeline.batch_policy import BatchPolicy, Decision
-from services.runtime.pipeline.timing import Timing
 from services.runtime.pipeline.cost import ServiceCost
-from services.runtime.errors import ApiError, ClientGone
 from services.runtime.pipeline.fifo_lock import FifoLock
+from services.runtime.pipeline.gpu_worker import GpuWorker, wait_disconnect
 from services.runtime.pipeline.metrics import PipelineMetrics
 from services.runtime.pipeline.settings import ModelServiceSettings
+from services.runtime.pipeline.timing import Timing
 from services.runtime.pipeline.warmup import measured_call
-from services.runtime.pipeline.gpu_worker import GpuWorker, wait_disconnect
 
 __all__ = ["GpuWorker", "Job", "Scheduler", "wait_disconnect"]
 TRIM_AFTER_BYTES = 256 * 2**20   # a call this big hands its freed heap back to the kernel
@@ -287,7 +288,7 @@ class Scheduler:
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
 
     async def _gather(self) -> None:
@@ -300,7 +301,7 @@ class Scheduler:
                 return
             head = self._pending[0]
             ratio = self.cost.work_ratio([head.job.items[head.index]])
-            seconds = lambda n: self.cost.call_seconds(n, ratio)  # noqa: E731
+            seconds = lambda n, ratio=ratio: self.cost.call_seconds(n, ratio)
             waited = now - max(head.job.enqueued, self._free_since)
             decision = self.policy.decide(now, self._compatible_waiting(), head.job.key, now - self._free_since,
                                           waited, self._decoding_etas(now), seconds)
@@ -314,7 +315,7 @@ class Scheduler:
             t0 = time.perf_counter()
             try:
                 await asyncio.wait_for(self._wake.wait(), wait)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             took = time.perf_counter() - t0
             self.waited_s += took
@@ -339,7 +340,7 @@ class Scheduler:
         dt = time.perf_counter() - t0
         self.batches += 1
         self.items_run += len(batch)
-        for entry, result in zip(batch, results):
+        for entry, result in zip(batch, results, strict=False):
             job = entry.job
             job.results[entry.index] = result
             job.infer_s += dt

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from services.runtime.device import host_memory as memory
 from services.runtime.pipeline.cost import ServiceCost
@@ -38,7 +39,7 @@ class PeakProbe:
         self._base = 0
 
     @classmethod
-    def for_backend(cls, backend: Any) -> "PeakProbe":
+    def for_backend(cls, backend: Any) -> PeakProbe:
         device = str(getattr(backend, "device", None) or "cpu")
         if device == "cuda":
             torch = sys.modules.get("torch")

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 DOCS_ASSETS = {"swagger-ui-bundle.js": "application/javascript", "swagger-ui.css": "text/css"}
 
 
-def install_openapi(app: FastAPI, credentials: "Credentials") -> None:
+def install_openapi(app: FastAPI, credentials: Credentials) -> None:
     """Security schemes in the schema, and /docs served from assets inside a wheel."""
 
     def openapi() -> dict[str, Any]:

@@ -24,8 +24,9 @@ import inspect
 import logging
 import os
 import sys
+from collections.abc import Callable
 from contextlib import asynccontextmanager
-from typing import Any, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -34,9 +35,10 @@ from services.runtime.edge.auth_failures import AuthFailureGate, FailureLimiter
 from services.runtime.edge.connection_limits import ConnectionStats
 from services.runtime.edge.credentials import Credentials
 from services.runtime.edge.probe_listener import ProbeServer, json_route
-from services.runtime.errors import ApiError, ClientGone, error_response, error_responses, install_error_handlers
+from services.runtime.errors import ApiError, ClientGone, error_responses
 from services.runtime.settings import ServiceSettings
 from services.runtime.shell.api_docs import install_openapi
+from services.runtime.shell.error_handlers import error_response, install_error_handlers
 from services.runtime.shell.heartbeat import Heartbeat
 from services.runtime.shell.metrics import METRICS_TYPE, ShellMetrics, version
 from services.runtime.shell.middleware import PROBE_PATHS, ShellMiddleware
