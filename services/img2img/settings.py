@@ -6,12 +6,12 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from services.runtime.pipeline.settings import ModelServiceSettings
+import onecard
 
 SCHEDULERS = ("default", "ddim", "euler", "euler_a", "dpmpp_2m", "lms", "pndm", "heun", "unipc")
 
 
-class Img2ImgSettings(ModelServiceSettings):
+class Img2ImgSettings(onecard.Settings):
     max_batch_size: int = Field(8, ge=1, le=64,
                                 description="compatible requests run as one pipeline call of up to this many images")
     request_timeout_s: float = Field(120.0, gt=0, le=3600, allow_inf_nan=False)
