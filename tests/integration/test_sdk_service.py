@@ -168,3 +168,4 @@ def test_the_jobs_api_runs_its_routes(tmp_path):
         assert done["result"]["words"] == ["queued", "words"] and done["result"]["greeting"] == "yo", done
     finally:
         unit.kill()
+
