@@ -24,13 +24,13 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from services.runtime.shell.model_part import model_service_app
-from services.runtime.pipeline.backend import Backend
-from services.runtime.errors import ApiError
-from services.runtime.pipeline.image_input import read_image_input
+import onecard
 from services.runtime.codecs.params import Bool, Float, Int, Params, Str
+from services.runtime.errors import ApiError
+from services.runtime.pipeline.backend import Backend
 from services.runtime.pipeline.model_routes import ModelRoute, Work, json_reply
 from services.runtime.pipeline.settings import ModelServiceSettings
+from services.runtime.shell.model_part import model_service_app
 
 
 class EchoParams(Params):
@@ -128,16 +128,18 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
     backend.memory_per_pixel = memory_per_pixel
 
     def decode(raw) -> Work:
-        got = read_image_input(raw, cfg, params=EchoParams)
-        p = got.params
+        request = onecard.Request(raw, cfg, ("image",), EchoParams)  # the input forms, as every service reads them
+        p = request.params()
+        request.image()
+        header = request.image_header()
         if p.mode == "boom":
             raise KeyError("unexpected")
         if p.decode_sleep:
             time.sleep(p.decode_sleep)
         items = [EchoItem(p.id if p.items == 1 else f"{p.id}.{n}", p.sleep, p.mode,
-                          threading.Event() if p.cancellable else None, got.image.width * got.image.height)
+                          threading.Event() if p.cancellable else None, header.pixels)
                  for n in range(p.items)]
-        return Work(items, p.key or None, got.image.width)
+        return Work(items, p.key or None, header.width)
 
     def encode(work: Work, results: list[Any], raw) -> Any:
         out = results[0] if len(results) == 1 else {"id": [r["id"] for r in results], "batch": results[0]["batch"]}
