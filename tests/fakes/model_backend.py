@@ -14,7 +14,8 @@ import numpy as np
 
 from services.runtime.pipeline.backend import Backend
 from services.runtime.pipeline.metrics import PipelineMetrics
-from services.runtime.pipeline.scheduler import Job, Scheduler
+from services.runtime.pipeline.queued import QueuedRequest
+from services.runtime.pipeline.scheduler import Scheduler
 from services.runtime.pipeline.settings import ModelServiceSettings
 from services.runtime.pipeline.timing import Timing
 
@@ -98,10 +99,10 @@ def dropped(sched: Scheduler, reason: str) -> float:
     return sched.metrics.registry.get_sample_value("onecard_dropped_total", {"reason": reason}) or 0.0
 
 
-def stale_job(loop, name: str, key, age: float = 100.0) -> Job:
+def stale_job(loop, name: str, key, age: float = 100.0) -> QueuedRequest:
     """A job that arrived `age` seconds ago with a 1 s deadline: long expired, no waiter."""
     t0 = time.perf_counter() - age
-    job = Job([Item(name)], key, t0 + 1, t0, loop.create_future())
+    job = QueuedRequest([Item(name)], key, t0 + 1, t0, loop.create_future())
     job.results, job.remaining = [None], 1
     return job
 

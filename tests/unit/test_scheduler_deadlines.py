@@ -12,7 +12,7 @@ import time
 import pytest
 
 from services.runtime.errors import ApiError, ClientGone
-from services.runtime.pipeline.scheduler import Job, _Entry
+from services.runtime.pipeline.queued import QueuedItem, QueuedRequest
 from services.runtime.pipeline.timing import Timing
 from tests.fakes.model_backend import (
     Client,
@@ -51,10 +51,9 @@ def test_the_batch_loop_does_not_start_an_expired_job_even_before_its_waiter_not
         timing.t0 -= 10  # arrived long ago: expired at once
         loop = asyncio.get_running_loop()
         # enqueue without a waiter (as if its timer had not fired yet)
-        from services.runtime.pipeline.scheduler import _Entry
-        job = Job([Item("stale")], "hold", timing.t0 + 0.05, timing.t0, loop.create_future())
+        job = QueuedRequest([Item("stale")], "hold", timing.t0 + 0.05, timing.t0, loop.create_future())
         job.results, job.remaining = [None], 1
-        sched._pending.append(_Entry(job, 0))
+        sched._pending.append(QueuedItem(job, 0))
         backend.gate.set()
         await blocker
         with pytest.raises(ApiError) as err:
@@ -126,13 +125,12 @@ def test_an_expired_item_behind_the_head_does_not_join_the_batch():
         blocker = await hold(sched, backend)
         fresh = asyncio.ensure_future(sched.submit([Item("fresh")], "k", Timing(), None))
         await until(lambda: sched.pending_items == 1)
-        from services.runtime.pipeline.scheduler import _Entry
         loop = asyncio.get_running_loop()
         old = Timing()
         old.t0 -= 100
-        stale = Job([Item("stale")], "k", old.t0 + 1, old.t0, loop.create_future())
+        stale = QueuedRequest([Item("stale")], "k", old.t0 + 1, old.t0, loop.create_future())
         stale.results, stale.remaining = [None], 1
-        sched._pending.append(_Entry(stale, 0))  # compatible, behind the head, long expired
+        sched._pending.append(QueuedItem(stale, 0))  # compatible, behind the head, long expired
         backend.gate.set()
         await asyncio.gather(blocker, fresh)
         await asyncio.sleep(0.05)
@@ -177,7 +175,7 @@ def test_expired_jobs_at_the_head_are_all_dropped_before_the_batch_key_is_chosen
         loop = asyncio.get_running_loop()
         stale = [stale_job(loop, "s1", "x"), stale_job(loop, "s2", "a")]
         for job in stale:
-            sched._pending.append(_Entry(job, 0))
+            sched._pending.append(QueuedItem(job, 0))
         b = asyncio.ensure_future(sched.submit([Item("b")], "b", Timing(), None))
         await asyncio.sleep(0)
         a = asyncio.ensure_future(sched.submit([Item("a")], "a", Timing(), None))

@@ -21,7 +21,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
 from typing import Any
 
 from services.runtime.device import host_memory as memory
@@ -33,48 +32,15 @@ from services.runtime.pipeline.cost import ServiceCost
 from services.runtime.pipeline.fifo_lock import FifoLock
 from services.runtime.pipeline.gpu_worker import GpuWorker, wait_disconnect
 from services.runtime.pipeline.metrics import PipelineMetrics
+from services.runtime.pipeline.queued import QueuedItem, QueuedRequest
 from services.runtime.pipeline.settings import ModelServiceSettings
 from services.runtime.pipeline.timing import Timing
 from services.runtime.pipeline.warmup import measured_call
 
-__all__ = ["GpuWorker", "Job", "Scheduler", "wait_disconnect"]
+__all__ = ["GpuWorker", "QueuedItem", "QueuedRequest", "Scheduler", "wait_disconnect"]
 TRIM_AFTER_BYTES = 256 * 2**20   # a call this big hands its freed heap back to the kernel
 
 log = logging.getLogger("onecard.service")
-
-
-@dataclass(eq=False)
-class Job:
-    """One request's items on their way through the queue (compared by identity)."""
-    items: list[Any]
-    key: Hashable
-    deadline: float
-    enqueued: float
-    future: asyncio.Future
-    ticket: Ticket | None = None
-    results: list[Any] = field(default_factory=list)
-    remaining: int = 0
-    started_at: float | None = None
-    infer_s: float = 0.0
-    abandoned: bool = False          # nobody waits for the result any more
-
-    def cancel_items(self) -> None:
-        self.abandoned = True
-        for item in self.items:
-            event = getattr(item, "cancel", None)
-            if isinstance(event, threading.Event):
-                event.set()
-
-    @property
-    def cancellable(self) -> bool:
-        return all(isinstance(getattr(i, "cancel", None), threading.Event) for i in self.items)
-
-
-@dataclass(eq=False)
-class _Entry:
-    job: Job
-    index: int
-    pixels: int = 0
 
 
 class Scheduler:
@@ -88,7 +54,7 @@ class Scheduler:
         self.cost = cost or ServiceCost(backend, self.max_batch)
         cap = None if settings.max_wait_ms is None else settings.max_wait_ms / 1000
         self.policy = BatchPolicy(self.max_batch, cap) if self.batching and settings.batch_policy == "auto" else None
-        self._pending: collections.deque[_Entry] = collections.deque()
+        self._pending: collections.deque[QueuedItem] = collections.deque()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.in_flight = 0
@@ -155,10 +121,10 @@ class Scheduler:
         """Results for `items`, in order. Raises ApiError (504, 503) or ClientGone."""
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
-        job = Job(items, key, timing.t0 + self.settings.request_timeout_s, now,
+        job = QueuedRequest(items, key, timing.t0 + self.settings.request_timeout_s, now,
                   loop.create_future(), ticket, [None] * len(items), len(items))
         for i, item in enumerate(items):
-            self._pending.append(_Entry(job, i, self.cost.item_pixels(item)))
+            self._pending.append(QueuedItem(job, i, self.cost.item_pixels(item)))
         if self.policy is not None:
             self.policy.history.arrived(now, len(items), key)
         self._wake.set()
@@ -172,7 +138,7 @@ class Scheduler:
             if gone is not None:
                 gone.cancel()
 
-    async def _await_job(self, job: Job, gone: asyncio.Future | None, timing: Timing) -> list[Any]:
+    async def _await_job(self, job: QueuedRequest, gone: asyncio.Future | None, timing: Timing) -> list[Any]:
         waiters = {job.future} if gone is None else {job.future, gone}
         while True:
             left = job.deadline - time.perf_counter()
@@ -196,7 +162,7 @@ class Scheduler:
             waiters = {job.future} if gone is None else {job.future, gone}
             job.deadline = float("inf")
 
-    def _abandon(self, job: Job, reason: str) -> None:
+    def _abandon(self, job: QueuedRequest, reason: str) -> None:
         """Nobody waits for this job any more: out of the queue now, told to stop if running."""
         if job.abandoned:
             return
@@ -206,7 +172,7 @@ class Scheduler:
             self._pending = collections.deque(e for e in self._pending if e.job is not job)
         job.future.cancel()  # a no-op when it already has its result or error
 
-    def _stage_times(self, job: Job, timing: Timing) -> None:
+    def _stage_times(self, job: QueuedRequest, timing: Timing) -> None:
         if job.started_at is not None:
             timing.add("queue", job.started_at - job.enqueued)
             timing.add("infer", job.infer_s)
@@ -224,7 +190,7 @@ class Scheduler:
                 continue
             return
 
-    def _take_batch(self) -> list[_Entry]:
+    def _take_batch(self) -> list[QueuedItem]:
         """The oldest live entry and the compatible ones behind it, in arrival order, as many
         as fit in one call's working memory (the head always goes: what could never fit was
         refused at admission)."""
@@ -233,9 +199,9 @@ class Scheduler:
         if not self._pending:
             return []
         key = self._pending[0].job.key
-        batch: list[_Entry] = []
+        batch: list[QueuedItem] = []
         pixels = 0
-        rest: collections.deque[_Entry] = collections.deque()
+        rest: collections.deque[QueuedItem] = collections.deque()
         for entry in self._pending:
             job = entry.job
             if (len(batch) < self.max_batch and not job.abandoned and job.key == key
@@ -258,7 +224,7 @@ class Scheduler:
                     break
         return n
 
-    def _expire(self, job: Job) -> None:
+    def _expire(self, job: QueuedRequest) -> None:
         if not job.future.done():
             job.future.set_exception(ApiError(
                 504, "deadline_exceeded",
@@ -321,7 +287,7 @@ class Scheduler:
             self.waited_s += took
             self.metrics.batch_wait.observe(took)
 
-    async def _run(self, batch: list[_Entry]) -> None:
+    async def _run(self, batch: list[QueuedItem]) -> None:
         await self.lock.acquire()
         t0 = time.perf_counter()
         try:
