@@ -49,7 +49,9 @@ def test_the_three_input_forms_and_strict_parameters(svc):
     assert_error(svc.post_image("/api/v1/tint", picture(), params={"nope": 1}), 422, "invalid_parameter", "nope")
     assert_error(svc.post("/api/v1/tint", json={"tag": "x"}), 422, "invalid_parameter", "image")
     assert_error(svc.post("/api/v1/tint", content=b"GIF89a", headers={"content-type": "image/gif"}), 415)
-    assert_error(svc.post_image("/api/v1/tint", picture(), params={"mode": "boom"}), 500, "internal_error")
+    boom = svc.post_image("/api/v1/tint", picture(), params={"mode": "boom"})
+    assert_error(boom, 500, "internal_error")
+    assert boom.headers["connection"] == "close"  # uvicorn closes after an app raised: the client is told
 
 
 def test_items_of_several_requests_share_a_call_in_arrival_order(svc):
@@ -106,7 +108,9 @@ def test_admission_and_body_limits(svc):
     assert refused and all(r.json()["error"]["code"] == "overloaded" and r.headers["retry-after"] for r in refused)
     assert all(r.status_code in (200, 503) for r in answers)
     big = picture(600, 600, "bmp")
-    assert_error(svc.post("/api/v1/tint", content=big, headers={"content-type": "image/bmp"}), 413, "body_too_large")
+    refused = svc.post("/api/v1/tint", content=big, headers={"content-type": "image/bmp"})
+    assert_error(refused, 413, "body_too_large")
+    assert refused.headers["connection"] == "close"  # the body it did not read keeps arriving: not reused
 
 
 def test_dry_run_checks_without_running(svc):

@@ -24,6 +24,9 @@ def query_params(request: Request) -> dict[str, str]:
 
 
 HOLD_STEP = 1 << 20  # a chunked body's holding is raised a megabyte at a time
+# A body refused unread keeps arriving, and the edge closes a connection whose body runs far
+# past the limit: the client is told, so that it does not send its next request on it.
+CLOSE = {"Connection": "close"}
 
 
 async def read_body(request: Request, max_bytes: int, hold: Callable[[int], None] | None = None) -> bytes:
@@ -34,7 +37,8 @@ async def read_body(request: Request, max_bytes: int, hold: Callable[[int], None
         if not declared.strip().isdigit():
             raise ApiError(400, "bad_request", "invalid Content-Length")
         if int(declared) > max_bytes:
-            raise ApiError(413, "body_too_large", f"body of {declared} bytes is over the limit of {max_bytes}")
+            raise ApiError(413, "body_too_large", f"body of {declared} bytes is over the limit of {max_bytes}",
+                           CLOSE)
         if hold is not None:
             hold(int(declared))
     held = int(declared) if declared is not None else 0
@@ -42,7 +46,7 @@ async def read_body(request: Request, max_bytes: int, hold: Callable[[int], None
     try:
         async for chunk in request.stream():
             if len(buf) + len(chunk) > max_bytes:
-                raise ApiError(413, "body_too_large", f"body is over the limit of {max_bytes} bytes")
+                raise ApiError(413, "body_too_large", f"body is over the limit of {max_bytes} bytes", CLOSE)
             buf += chunk
             if hold is not None and len(buf) > held:
                 held = min(max_bytes, len(buf) + HOLD_STEP)

@@ -47,4 +47,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception):
         error_id = uuid.uuid4().hex[:12]
         log.error("unexpected error %s on %s %s", error_id, request.method, request.url.path, exc_info=exc)
-        return error_response(500, "internal_error", f"unexpected error; quote id {error_id} when reporting it")
+        # uvicorn closes the connection after an app raised, answered or not: say so, so that the
+        # client sends its next request on a new one instead of finding this one reset
+        return error_response(500, "internal_error", f"unexpected error; quote id {error_id} when reporting it",
+                              {"Connection": "close"})
