@@ -89,8 +89,9 @@ def connection_flood(u, ctx) -> Result:
     """700 connections that say nothing, held on detect and on img2img (max_connections 512)."""
     holders = [Holder(u.ports[n], b"", 700).open() for n in ("detect", "img2img")]
     time.sleep(15)
-    notes = {f"{n}_open": len(h.socks) for n, h in zip(("detect", "img2img"), holders)}
-    notes.update({f"{n}_closed_by_server": h.reset_by_server() for n, h in zip(("detect", "img2img"), holders)})
+    named = list(zip(("detect", "img2img"), holders, strict=True))
+    notes = {f"{n}_open": len(h.socks) for n, h in named}
+    notes.update({f"{n}_closed_by_server": h.reset_by_server() for n, h in named})
     for h in holders:
         h.close()
     return {"statuses": {}, "notes": notes}
@@ -164,10 +165,12 @@ def decompression_bombs(u, ctx) -> Result:
              "webp": (I.flat_webp(6324, 6324), "image/webp"), "bmp_rle4": (I.rle4_bmp(), "image/bmp")}
     rs, notes = [], {}
     for name, (data, ctype) in files.items():
-        got = concurrently(lambda i: request(u.ports["detect"], "POST", "/api/v1/facedetect", data,
-                                             {"Content-Type": ctype}), 8)
-        got += concurrently(lambda i: request(u.ports["img2img"], "POST", "/api/v1/img2img?style=3&format=jpeg",
-                                              data, {"Content-Type": ctype}, keep_body=False), 4)
+        got = concurrently(lambda i, data=data, ctype=ctype: request(u.ports["detect"], "POST",
+                                                                     "/api/v1/facedetect", data,
+                                                                     {"Content-Type": ctype}), 8)
+        got += concurrently(lambda i, data=data, ctype=ctype: request(
+            u.ports["img2img"], "POST", "/api/v1/img2img?style=3&format=jpeg", data, {"Content-Type": ctype},
+            keep_body=False), 4)
         rs += got
         notes[name] = f"{len(data)} bytes: {tally(got)}, max {max(r['s'] for r in got):.1f} s"
     return {"statuses": tally(rs), "notes": notes}
@@ -186,8 +189,9 @@ def exif_bombs(u, ctx) -> Result:
              "jpeg APP1 overlapping tags": (I.exif_bomb_jpeg(), "image/jpeg")}
     rs, notes = [], {}
     for name, (data, ctype) in files.items():
-        got = concurrently(lambda i: request(u.ports["detect"], "POST", "/api/v1/facedetect", data,
-                                             {"Content-Type": ctype}), 8)
+        got = concurrently(lambda i, data=data, ctype=ctype: request(u.ports["detect"], "POST",
+                                                                     "/api/v1/facedetect", data,
+                                                                     {"Content-Type": ctype}), 8)
         rs += got
         notes[name] = f"{len(data)} bytes: {tally(got)}"
     info = post_json(u.ports["img2img"], "/sdapi/v1/png-info", {"image": b64(I.exif_bomb_png())})
@@ -201,8 +205,9 @@ def slow_encode(u, ctx) -> Result:
     data = I.flat_jpeg(6324, 6324)
     rs = []
     for fmt in ("webp", "png"):
-        rs += concurrently(lambda i: request(u.ports["img2img"], "POST", f"/api/v1/img2img?style=3&format={fmt}",
-                                             data, {"Content-Type": "image/jpeg"}, keep_body=False), 3)
+        rs += concurrently(lambda i, fmt=fmt: request(u.ports["img2img"], "POST",
+                                                      f"/api/v1/img2img?style=3&format={fmt}", data,
+                                                      {"Content-Type": "image/jpeg"}, keep_body=False), 3)
     return {"statuses": tally(rs), "notes": {"seconds": [round(r["s"], 1) for r in rs]}}
 
 

@@ -11,7 +11,8 @@ import socket
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 HOST = "127.0.0.1"
 
@@ -49,7 +50,7 @@ def _read_answer(s: socket.socket, deadline: float, keep_body: bool,
         s.settimeout(left)
         try:
             chunk = s.recv(1 << 20)
-        except socket.timeout:
+        except TimeoutError:
             return _status(data), b"", "timeout"
         except OSError as exc:
             return _status(data), b"", type(exc).__name__
@@ -142,7 +143,7 @@ class Holder:
         self.socks: list[socket.socket] = []
         self.failed = 0
 
-    def open(self) -> "Holder":
+    def open(self) -> Holder:
         for _ in range(self.n):
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.rcvbuf)
@@ -198,7 +199,8 @@ def trickle(port: int, first: bytes, piece: bytes, every_s: float, stop: threadi
                 try:
                     got = s.recv(65536)
                     if not got:
-                        return {"status": None, "body": b"", "error": "closed", "sent": sent, "s": time.monotonic() - t0}
+                        return {"status": None, "body": b"", "error": "closed", "sent": sent,
+                                "s": time.monotonic() - t0}
                     s.setblocking(True)
                     status, body, err = _read_answer(s, time.monotonic() + 5, True, got)
                     return {"status": status, "body": body, "error": err, "sent": sent, "s": time.monotonic() - t0}

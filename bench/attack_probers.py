@@ -80,7 +80,7 @@ def probe_once(host: str, port: int, path: str, timeout: float,
             found = re.search(rb'"code":\s*"([a-z_]+)"', data)
             return status, found.group(1).decode() if found else None
         return status, None
-    except socket.timeout:
+    except TimeoutError:
         return None, "timeout"
     except OSError as exc:
         return None, type(exc).__name__
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs = [(p, "/healthz", 0.05, 2.0) for p in args.port]
     else:
         body = small_png()
-        jobs = [(p, LEGIT_PATHS[name], 1.0, 120.0) for p, name in zip(args.port, args.service)]
+        jobs = [(p, LEGIT_PATHS[name], 1.0, 120.0) for p, name in zip(args.port, args.service, strict=True)]
     threads = [threading.Thread(target=loop, args=(args.kind, args.host, p, path, period, timeout, out, lock, body),
                                 daemon=True) for p, path, period, timeout in jobs]
     for i, t in enumerate(threads):

@@ -114,7 +114,7 @@ class Unit:
         self.log_offset = 0
 
     # ---- lifecycle ----------------------------------------------------------------------
-    def start(self) -> "Unit":
+    def start(self) -> Unit:
         self.group = make_memory_cgroup(self.limit)
         if self.group is None:
             raise SystemExit("cannot make a memory cgroup here (run as root on a host with the memory controller)")
@@ -213,7 +213,7 @@ class Window:
     log0: int = 0
     oom0: int = 0
 
-    def open(self) -> "Window":
+    def open(self) -> Window:
         self.before = self.unit.sampler.now()
         self.log0 = self.unit.log_size()
         self.oom0 = self.unit.group.oom_kills()

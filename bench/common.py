@@ -7,8 +7,9 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -56,9 +57,9 @@ def write_result(name: str, doc: dict) -> Path:
 
 
 def table(rows: list[tuple], header: tuple) -> str:
-    cols = list(zip(header, *rows))
+    cols = list(zip(header, *rows, strict=False))
     widths = [max(len(str(v)) for v in col) for col in cols]
-    lines = ["  ".join(str(v).ljust(w) for v, w in zip(header, widths))]
-    lines += ["  ".join(str(v).ljust(w) for v, w in zip(r, widths)) for r in rows]
+    lines = ["  ".join(str(v).ljust(w) for v, w in zip(header, widths, strict=False))]
+    lines += ["  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=False)) for r in rows]
     return "\n".join(lines)
 

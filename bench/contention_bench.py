@@ -29,7 +29,7 @@ import json, os, sys, time
 sys.path.insert(0, {root!r})
 import numpy as np
 from PIL import Image
-from services.runtime.threads import apply_threads
+from services.runtime.device.threads import apply_threads
 from services.img2img.params import Img2ImgItem
 from services.img2img.progress import Progress
 from services.img2img.sd import DiffusersBackend
@@ -69,7 +69,8 @@ def measure(model: Path, threads: int, policy: dict, runs: int, busy: int, side:
                 "MKL_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)})
     hogs = neighbours(busy)
     try:
-        out = subprocess.run([sys.executable, "-c", WORKER.format(root=str(ROOT), model=str(model), runs=runs, side=side, steps=steps)],
+        code = WORKER.format(root=str(ROOT), model=str(model), runs=runs, side=side, steps=steps)
+        out = subprocess.run([sys.executable, "-c", code],
                              env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT)
     finally:
         for h in hogs:

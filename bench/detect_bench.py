@@ -29,8 +29,8 @@ def bare_backend(batch: int):
     os.environ["ONECARD_SERVICE_THREADS"] = str(THREADS)
     from services.detect.backends import CenterFaceBackend, DetectItem
     from services.detect.settings import DetectSettings
-    from services.runtime.codec import DecodeLimits, decode_image
-    from services.runtime.threads import apply_threads
+    from services.runtime.codecs.images import DecodeLimits, decode_image
+    from services.runtime.device.threads import apply_threads
     apply_threads(THREADS)
     b = CenterFaceBackend(DetectSettings(max_side=MAX_SIDE, max_batch_size=max(batch, 2)))
     b.load()
@@ -136,7 +136,8 @@ def main() -> int:
     print(table(rows, ("mode", "conc", "served rps", "bare rps", "served/bare", "p50 ms", "p99 ms", "statuses")))
     print(f"serving overhead at concurrency 1, one image, interleaved: served p50 {overhead['served_p50_ms']:.2f} ms"
           f" - bare p50 {overhead['bare_p50_ms']:.2f} ms = {overhead['difference_p50_ms']:.2f} ms; outside decode"
-          f" and inference p50 {overhead['outside_model_p50_ms']:.2f} ms, p99 {overhead['outside_model_p99_ms']:.2f} ms")
+          f" and inference p50 {overhead['outside_model_p50_ms']:.2f} ms,"
+          f" p99 {overhead['outside_model_p99_ms']:.2f} ms")
     print(f"written: {path}")
     return 0
 

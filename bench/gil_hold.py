@@ -18,11 +18,9 @@ import os
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from bench.common import pct, table, write_result
-
-
 
 
 def measure(step: Callable[[], object], repeat: int = 2) -> dict:
@@ -68,8 +66,8 @@ def steps() -> dict[str, Callable[[], object]]:
 
     from services.jobs.payload import parse_envelope
     from services.jobs.records import render_result
-    from services.runtime.body import parse_json, parse_multipart
-    from services.runtime.codec import DecodeLimits, decode_probed, encode_image, probe_image
+    from services.runtime.codecs.forms import parse_json, parse_multipart
+    from services.runtime.codecs.images import DecodeLimits, decode_probed, encode_image, probe_image
     from tests import images as I
 
     lim = DecodeLimits(40_000_000)

@@ -42,6 +42,7 @@ def sd15_random(path: Path) -> Path:
     import torch
     from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionImg2ImgPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
+
     from tests.models import tiny_sd_img2img
     tok_src = tiny_sd_img2img(Path(tempfile.mkdtemp()) / "tok")  # a CLIP tokenizer built offline
     torch.manual_seed(0)
@@ -136,8 +137,8 @@ def main() -> int:
     from services.img2img.progress import Progress
     from services.img2img.sd import DiffusersBackend
     from services.img2img.settings import Img2ImgSettings
-    from services.runtime.codec import encode_image
-    from services.runtime.threads import apply_threads
+    from services.runtime.codecs.images import encode_image
+    from services.runtime.device.threads import apply_threads
     backend = DiffusersBackend(Img2ImgSettings.model_validate(settings), Progress())
     backend.load()
     apply_threads(threads)

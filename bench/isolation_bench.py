@@ -68,12 +68,13 @@ def naive_run(duration: float, conc: int) -> dict:
 def img2img_throughput(duration: float, conc: int) -> dict:
     os.environ["ONECARD_SERVICE_THREADS"] = "1"
     from PIL import Image
+
     from services.img2img.params import Img2ImgItem, parse_style
     from services.img2img.progress import Progress
     from services.img2img.settings import Img2ImgSettings
     from services.img2img.style import StyleBackend
-    from services.runtime.codec import DecodeLimits, decode_image, encode_image
-    from services.runtime.threads import apply_threads
+    from services.runtime.codecs.images import DecodeLimits, decode_image, encode_image
+    from services.runtime.device.threads import apply_threads
     apply_threads(1)
     cfg = Img2ImgSettings.model_validate(IMG2IMG)
     backend = StyleBackend(cfg, Progress())

@@ -14,11 +14,10 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 from urllib.parse import urlsplit
-
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 

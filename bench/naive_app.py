@@ -8,10 +8,9 @@ import asyncio
 import concurrent.futures
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-
-import numpy as np
 from PIL import Image
 
 from services.detect.backends import CenterFaceBackend, DetectItem
@@ -20,8 +19,8 @@ from services.img2img.params import Img2ImgItem, parse_style
 from services.img2img.progress import Progress
 from services.img2img.settings import Img2ImgSettings
 from services.img2img.style import StyleBackend
-from services.runtime.codec import DecodeLimits, decode_image, encode_image
-from services.runtime.threads import apply_threads, planned_threads
+from services.runtime.codecs.images import DecodeLimits, decode_image, encode_image
+from services.runtime.device.threads import apply_threads, planned_threads
 
 LIMITS = DecodeLimits(max_pixels=40_000_000)
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -83,7 +84,7 @@ def _batching_figure(plt, doc: dict, out: Path, title: str, ylabel: str,
                      draw: Callable[[Any, str, list[dict], str, str], None]) -> Path:
     profiles = _by_profile(doc)
     fig, axes = _subplots(plt, len(profiles), title)
-    for ax, (profile, policies) in zip(axes, profiles.items()):
+    for ax, (profile, policies) in zip(axes, profiles.items(), strict=False):
         levels = sorted({r["clients"] for rows in policies.values() for r in rows})
         for policy, rows in policies.items():
             color, marker = POLICY_STYLE.get(policy, ("black", "."))
@@ -133,7 +134,7 @@ def detect(plt, doc: dict, out_dir: Path) -> list[Path]:
     served = {int(b): {int(c): s for c, s in levels.items()} for b, levels in doc["served"].items()}
     note = _note(doc)
     fig, (ax,) = _subplots(plt, 1, "detect: latency against concurrency (solid p50, dashed p99)")
-    for batch, color in zip(sorted(served), ("tab:gray", "tab:blue", "tab:green")):
+    for batch, color in zip(sorted(served), ("tab:gray", "tab:blue", "tab:green"), strict=False):
         levels = sorted(served[batch])
         ax.plot(levels, [served[batch][c]["p50_ms"] for c in levels], color=color, marker="o",
                 label=f"max_batch_size {batch} p50")
@@ -146,7 +147,7 @@ def detect(plt, doc: dict, out_dir: Path) -> list[Path]:
     paths = [_save(plt, fig, out_dir / "detect-latency.png", note)]
 
     fig, (ax,) = _subplots(plt, 1, "detect: served throughput against the bare backend")
-    for batch, color in zip(sorted(served), ("tab:gray", "tab:blue", "tab:green")):
+    for batch, color in zip(sorted(served), ("tab:gray", "tab:blue", "tab:green"), strict=False):
         levels = sorted(served[batch])
         ax.plot(levels, [served[batch][c]["throughput_rps"] for c in levels], color=color, marker="o",
                 label=f"served, max_batch_size {batch}")

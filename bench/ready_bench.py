@@ -19,8 +19,10 @@ from bench.common import ROOT, table, write_result
 from tests.harness import SupervisorRun, free_port
 
 BARE = {
-    "detect": "from services.detect.backends import CenterFaceBackend as B; from services.detect.settings import DetectSettings as S",
-    "img2img": "from services.img2img.style import StyleBackend as B0; from services.img2img.settings import Img2ImgSettings as S; "
+    "detect": "from services.detect.backends import CenterFaceBackend as B; "
+              "from services.detect.settings import DetectSettings as S",
+    "img2img": "from services.img2img.style import StyleBackend as B0; "
+               "from services.img2img.settings import Img2ImgSettings as S; "
                "from services.img2img.progress import Progress; B = lambda s: B0(s, Progress())",
 }
 

@@ -18,7 +18,8 @@ import time
 from bench.common import RESULTS, ROOT, table, write_result
 
 STEPS = {
-    "supervisor": (["bench.supervisor_bench"], ["--trials", "50", "--idle-s", "30"], ["--trials", "10", "--idle-s", "10"]),
+    "supervisor": (["bench.supervisor_bench"], ["--trials", "50", "--idle-s", "30"],
+                   ["--trials", "10", "--idle-s", "10"]),
     "ready": (["bench.ready_bench"], ["--trials", "3"], ["--trials", "1"]),
     "detect": (["bench.detect_bench"], ["--duration", "12"], ["--duration", "4"]),
     "isolation": (["bench.isolation_bench"], ["--duration", "20"], ["--duration", "6"]),
@@ -91,7 +92,8 @@ def main() -> int:
                      f"{r['ready']['served_median_s']:.2f} s vs {r['ready']['bare_median_s']:.2f} s", ""))
     if "supervisor" in r:
         s = r["supervisor"]
-        rows.append(("death detection median / p99", f"{s['detection_ms']['median']:.1f} / {s['detection_ms']['p99']:.1f} ms",
+        rows.append(("death detection median / p99",
+                     f"{s['detection_ms']['median']:.1f} / {s['detection_ms']['p99']:.1f} ms",
                      f"{s['detection_ms']['trials']} trials", "median <= 50 ms"))
         rows.append(("onecard status wall time, median", f"{s['status_wall_s']['median']:.3f} s", "", "<= 0.3 s"))
         rows.append(("supervisor idle CPU", f"{s['idle_cpu_percent_of_core']:.3f} % of a core",

@@ -16,102 +16,88 @@ Run it in a unit like any service: ``app = "bench.simaccel:create_app"`` with se
 
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from fastapi import FastAPI
 from pydantic import Field
 
-from services.runtime.app import ServiceContext, create_service_app
-from services.runtime.backend import Backend
-from services.runtime.codec import encode_image
-from services.runtime.inputs import read_image_input
-from services.runtime.params import Params
-from services.runtime.pipeline import ModelRoute, Reply, Work, json_reply
-from services.runtime.settings import RuntimeSettings
+import onecard
 
 PROFILES = {"sd15-h100": (0.643, 0.0644), "sd-alt": (0.250, 0.045), "detector": (0.008, 0.0015),
             "linear": (0.200, 0.200)}
 SIDE = 512
 
 
-@dataclass(eq=False)
-class SimItem:
-    rgb: np.ndarray
-
-
-class SimParams(Params):
+class SimParams(onecard.Params):
     pass
 
 
-class SimSettings(RuntimeSettings):
+class SimSettings(onecard.Settings):
     profile: str = Field("sd15-h100", pattern="^(sd15-h100|sd-alt|detector|linear|custom)$")
     a_s: float | None = Field(None, ge=0, le=60, allow_inf_nan=False)
     b_s: float | None = Field(None, ge=0, le=60, allow_inf_nan=False)
     answer: str | None = Field(None, pattern="^(png|json)$", description="default: json for the detector, else png")
 
 
-class SimulatedAccelerator(Backend):
-    name = "simaccel"
-    supports_batching = True
+class SimulatedAccelerator(onecard.Model):
+    """A model call that takes A + B (b - 1) seconds for b items, sleeping."""
 
-    def __init__(self, a_s: float, b_s: float):
-        self.a_s, self.b_s = a_s, b_s
+    name = "simaccel"
+    batching = True
+    Settings = SimSettings
+    Params = SimParams
+    settings: SimSettings
+
+    def setup(self, ctx: onecard.Setup) -> None:
+        a, b = PROFILES.get(self.settings.profile, (0.1, 0.1))
+        self.a_s = self.settings.a_s if self.settings.a_s is not None else a
+        self.b_s = self.settings.b_s if self.settings.b_s is not None else b
         self.calls: list[int] = []
         self.events: list[tuple] = []
+        self.device = "simulated"
 
-    def load(self) -> None:
-        pass
+    def warmup_inputs(self) -> list[np.ndarray]:
+        return [np.full((SIDE, SIDE, 3), 128, np.uint8)]
 
-    def warmup_items(self) -> list[Any]:
-        return [SimItem(np.full((SIDE, SIDE, 3), 128, np.uint8))]
-
-    def item_pixels(self, item: SimItem) -> int:
+    def item_pixels(self, item: np.ndarray) -> int:
         return SIDE * SIDE          # the model runs at a fixed size, whatever is uploaded
 
-    def item_work(self, item: SimItem) -> float:
+    def item_work(self, item: np.ndarray) -> float:
         return 1.0
 
-    def infer_batch(self, items: list[SimItem]) -> list[Any]:
+    def decode_request(self, request: onecard.Request) -> np.ndarray:
+        t0 = time.perf_counter()
+        request.params()
+        rgb = request.image()
+        self.events.append(("decode", t0, time.perf_counter()))
+        return rgb
+
+    def predict(self, items: list[np.ndarray], call: onecard.Call) -> list[np.ndarray]:
         t0 = time.perf_counter()
         time.sleep(self.a_s + self.b_s * (len(items) - 1))
         self.calls.append(len(items))
         self.events.append(("call", t0, time.perf_counter(), len(items)))
-        return [item.rgb for item in items]
+        return list(items)
+
+    def encode_response(self, rgb: np.ndarray, request: onecard.Request) -> Any:
+        t0 = time.perf_counter()
+        cfg = self.settings
+        if (cfg.answer or ("json" if cfg.profile == "detector" else "png")) == "json":
+            return {"shape": list(rgb.shape)}
+        data, mime = onecard.encode_image(rgb, "png")
+        self.events.append(("encode", t0, time.perf_counter()))
+        return onecard.Response(data, mime)
 
     def info(self) -> dict[str, Any]:
-        return {"backend": self.name, "model": f"A={self.a_s}s B={self.b_s}s", "device": "simulated"}
+        return {"model": f"A={self.a_s}s B={self.b_s}s"}
 
-
-def create_app(settings: dict[str, Any]) -> FastAPI:
-    cfg = SimSettings.model_validate(settings)
-    a, b = PROFILES.get(cfg.profile, (0.1, 0.1))
-    backend = SimulatedAccelerator(cfg.a_s if cfg.a_s is not None else a, cfg.b_s if cfg.b_s is not None else b)
-
-    def decode(raw) -> Work:
-        t0 = time.perf_counter()
-        got = read_image_input(raw, cfg, params=SimParams)
-        backend.events.append(("decode", t0, time.perf_counter()))
-        return Work([SimItem(got.image.rgb)], None)
-
-    def encode(work: Work, results: list[Any], raw) -> Reply:
-        t0 = time.perf_counter()
-        if (cfg.answer or ("json" if cfg.profile == "detector" else "png")) == "json":
-            return json_reply({"shape": list(results[0].shape)})
-        data, mime = encode_image(results[0], "png")
-        backend.events.append(("encode", t0, time.perf_counter()))
-        return Reply(data, mime)
-
-    def add_routes(app: FastAPI, ctx: ServiceContext) -> None:
-        ctx.pipeline.add(app, ModelRoute("/api/v1/sim", decode, encode, summary="simulated accelerator"))
-
-        @app.get("/calls")
+    def add_routes(self, service: onecard.Service) -> None:
+        @service.app.get("/calls")
         async def calls() -> dict[str, Any]:
-            sizes = backend.calls[-2000:]
-            return {"calls": len(backend.calls), "recent_sizes": sizes, "events": backend.events[-400:]}
+            sizes = self.calls[-2000:]
+            return {"calls": len(self.calls), "recent_sizes": sizes, "events": self.events[-400:]}
 
-    return create_service_app(os.environ.get("ONECARD_SERVICE_NAME", "simaccel"), cfg, backend, add_routes,
-                              title="onecard simulated accelerator")
+
+create_app = onecard.serve(SimulatedAccelerator, route="/api/v1/sim", title="onecard simulated accelerator",
+                           summary="simulated accelerator")

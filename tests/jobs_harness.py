@@ -179,3 +179,27 @@ def start_units(*units: Unit, timeout: float = 120.0) -> None:
 
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
+
+
+def error_of(r: httpx.Response) -> dict:
+    """The JSON error envelope, asserted present: never a bare 500 or a text body."""
+    assert r.headers["content-type"].startswith("application/json"), r.text
+    doc = r.json()
+    assert set(doc) == {"error"} and isinstance(doc["error"]["message"], str), doc
+    return doc["error"]
+
+
+def idempotency_rules(u: Unit, key: str, work: str = "/api/v1/work", scripted: str = "scripted/scripted/m1") -> None:
+    """An Idempotency-Key replays its job, and is refused (422) for another service or body."""
+    h = {"Idempotency-Key": key}
+    first = u.submit("scripted", work, headers=h, params={"tag": "idem"})
+    again = u.api.post("/v1/jobs", json={"service": "scripted", "route": work, "params": {"tag": "idem"}}, headers=h)
+    assert again.status_code == 202 and again.json()["id"] == first["id"]
+    assert again.headers["idempotent-replayed"] == "true"
+    for other in ({"service": "bare", "route": work, "params": {"tag": "idem"}},            # another service
+                  {"service": "scripted", "route": work, "params": {"tag": "idem2"}},       # another body
+                  {"service": "scripted", "route": work, "model": scripted, "params": {"tag": "idem", "x": 1}}):
+        r = u.api.post("/v1/jobs", json=other, headers=h)
+        assert r.status_code == 422, (other, r.text)
+        err = error_of(r)
+        assert err["code"] == "idempotency_key_reused" and first["id"] in err["message"], err

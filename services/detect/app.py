@@ -1,49 +1,38 @@
-"""The face-detection service: POST /api/v1/facedetect, on the runtime's pipeline.
+"""The face-detection service: POST /api/v1/facedetect, written with the public API.
 
-decode: the image (any of the three input forms; a large JPEG is decoded at reduced
-scale when the backend shrinks it anyway) and the parameters. encode: faces in the
-original image's pixel coordinates, as JSON.
+decode: the parameters, then the picture (any of the three input forms; a large JPEG is
+decoded at reduced scale when the backend shrinks it anyway). predict: the backend's
+batch. encode: faces in the original picture's pixel coordinates, as JSON.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from fastapi import FastAPI
 from pydantic import Field
 
+import onecard
 from services.detect.backends import BACKENDS, DetectItem
 from services.detect.settings import DetectSettings
-from services.runtime.app import ServiceContext, create_service_app
-from services.runtime.body import RawRequest
-from services.runtime.inputs import read_image_input
-from services.runtime.params import Float, Int, Params, inline_schema, query_parameters
-from services.runtime.pipeline import ModelRoute, Reply, Work, json_reply
-
-BINARY = {"schema": {"type": "string", "format": "binary"}}
 
 
-class DetectParams(Params):
-    min_score: Float = Field(0.5, ge=0.0, le=1.0, description="faces scoring lower are left out")
-    max_faces: Int | None = Field(None, ge=1, le=10_000, description="at most this many, the highest scores first")
+class DetectParams(onecard.Params):
+    min_score: onecard.Float = Field(0.5, ge=0.0, le=1.0, description="faces scoring lower are left out")
+    max_faces: onecard.Int | None = Field(None, ge=1, le=10_000,
+                                          description="at most this many, the highest scores first")
 
 
-class Face(Params):
+class Face(onecard.Params):
     box: list[float] = Field(..., description="[x1, y1, x2, y2] in the original image's pixels")
     score: float
     landmarks: list[list[float]] = Field(..., description="five [x, y] points (eyes, nose, mouth corners); "
                                                           "empty for backends without landmarks")
 
 
-class DetectResult(Params):
+class DetectResult(onecard.Params):
     faces: list[Face]
     width: int = Field(..., description="the image's width, after EXIF orientation")
     height: int
-
-
-class DetectJsonBody(DetectParams):
-    image: str = Field(..., description="the image, base64 (a data: URL prefix is allowed)")
 
 
 def _map_back(face: dict[str, Any], scale: float, width: int, height: int) -> dict[str, Any]:
@@ -57,42 +46,62 @@ def _map_back(face: dict[str, Any], scale: float, width: int, height: int) -> di
             "landmarks": [[round(x * inv, 1), round(y * inv, 1)] for x, y in face["landmarks"]]}
 
 
-def detect_route(cfg: DetectSettings, shrinks_to: int | None) -> ModelRoute:
-    def decode(raw: RawRequest) -> Work:
-        got = read_image_input(raw, cfg, max_side=shrinks_to, params=DetectParams)
-        params = got.params
-        img = got.image
-        return Work([DetectItem(img.rgb, params.min_score, params.max_faces)], None, img)
+class Detect(onecard.Model):
+    """Send the image as a raw body (`image/jpeg`, `image/png`, `image/webp`, `image/bmp`), as a
+    multipart field `image`, or as base64 in JSON. Parameters go in the query string, the form
+    or the JSON object."""
 
-    def encode(work: Work, results: list[Any], raw: RawRequest) -> Reply:
-        img = work.state
-        faces = [_map_back(f, img.scale, img.width, img.height) for f in results[0]]
-        return json_reply({"faces": faces, "width": img.width, "height": img.height})
+    Settings = DetectSettings
+    Params = DetectParams
+    Answer = DetectResult
+    settings: DetectSettings
 
-    return ModelRoute(
-        "/api/v1/facedetect", decode, encode, summary="Detect faces", tags=["detect"],
-        description="Send the image as a raw body (`image/jpeg`, `image/png`, `image/webp`, `image/bmp`), "
-                    "as a multipart field `image`, or as base64 in JSON. Parameters go in the query string, "
-                    "the form or the JSON object.",
-        parameters=query_parameters(DetectParams),
-        request_body={"required": True, "content": {
-            "image/jpeg": BINARY, "image/png": BINARY, "image/webp": BINARY, "image/bmp": BINARY,
-            "application/json": {"schema": inline_schema(DetectJsonBody)},
-            "multipart/form-data": {"schema": {"type": "object", "required": ["image"], "properties": {
-                "image": {"type": "string", "format": "binary"},
-                "min_score": {"type": "number"}, "max_faces": {"type": "integer"}}}}}},
-        responses={200: {"description": "the faces found",
-                         "content": {"application/json": {"schema": inline_schema(DetectResult, mode="serialization")}}}},
-    )
+    @property
+    def name(self) -> str:  # the backend names the model label: detect/centerface/centerface
+        return self.settings.backend
+
+    @property
+    def batching(self) -> bool:
+        return BACKENDS[self.settings.backend].supports_batching
+
+    def setup(self, ctx: onecard.Setup) -> None:
+        self.backend = BACKENDS[self.settings.backend](self.settings)
+        self.backend.load(ctx)
+        self.device = self.backend.device
+
+    @property
+    def shrinks_to(self) -> int | None:
+        """The long side the backend resizes to, so that a big JPEG may decode at reduced scale."""
+        return self.settings.max_side if self.settings.backend in ("centerface", "insightface") else None
+
+    def warmup_inputs(self) -> list[DetectItem]:
+        return self.backend.warmup_items()
+
+    def decode_request(self, request: onecard.Request) -> DetectItem:
+        params = request.params()
+        header = request.image_header()
+        rgb = request.image(max_side=self.shrinks_to)
+        request.state.size = (header.width, header.height)
+        request.state.scale = rgb.shape[1] / header.width
+        return DetectItem(rgb, params.min_score, params.max_faces)
+
+    def predict(self, items: list[DetectItem], call: onecard.Call) -> list[Any]:
+        return self.backend.infer_batch(items)
+
+    def encode_response(self, faces: list[dict], request: onecard.Request) -> dict[str, Any]:
+        width, height = request.state.size
+        scale = request.state.scale
+        return {"faces": [_map_back(f, scale, width, height) for f in faces], "width": width, "height": height}
+
+    def item_pixels(self, item: DetectItem) -> int:
+        return self.backend.item_pixels(item)
+
+    def item_work(self, item: DetectItem) -> float:
+        return self.backend.item_work(item)
+
+    def info(self) -> dict[str, Any]:
+        return self.backend.info()
 
 
-def create_app(settings: dict[str, Any]) -> FastAPI:
-    cfg = DetectSettings.model_validate(settings)
-    backend = BACKENDS[cfg.backend](cfg)
-    shrinks_to = cfg.max_side if cfg.backend in ("centerface", "insightface") else None
-
-    def add_routes(app: FastAPI, ctx: ServiceContext) -> None:
-        ctx.pipeline.add(app, detect_route(cfg, shrinks_to))
-
-    return create_service_app(os.environ.get("ONECARD_SERVICE_NAME", "detect"), cfg, backend, add_routes,
-                              title="onecard face detection")
+create_app = onecard.serve(Detect, route="/api/v1/facedetect", title="onecard face detection",
+                           summary="Detect faces")

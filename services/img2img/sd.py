@@ -19,13 +19,12 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+import onecard
+from onecard import Error
 from services.img2img.params import PASSTHROUGH, Cancelled, Img2ImgItem
 from services.img2img.progress import LatentPreview, Progress
 from services.img2img.settings import Img2ImgSettings
 from services.img2img.style import fit
-from services.runtime.backend import Backend
-from services.runtime.errors import ApiError
-from services.runtime.gpu import apply_torch_budget
 
 DIFFUSERS_SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
     "ddim": ("DDIMScheduler", {}), "euler": ("EulerDiscreteScheduler", {}),
@@ -47,7 +46,7 @@ WEBUI_SAMPLERS = {
 }
 
 
-class DiffusersBackend(Backend):
+class DiffusersBackend:
     name = "diffusers"
     supports_batching = True
     uses_torch = True
@@ -60,17 +59,16 @@ class DiffusersBackend(Backend):
         self.pipes: dict[str, Any] = {}
         self._schedulers: dict[str, Any] = {}
 
-    def load(self) -> None:
+    def load(self, ctx: onecard.Setup) -> None:
         import torch
-        from diffusers import (StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline,
-                               StableDiffusionPipeline)
+        from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline, StableDiffusionPipeline
         s = self.settings
         cuda = s.device in ("auto", "cuda") and torch.cuda.is_available()
         if s.device == "cuda" and not cuda:
             raise RuntimeError("device 'cuda' asked for, but torch sees no CUDA device")
         self.device = "cuda" if cuda else "cpu"
         self.dtype = torch.float16 if (s.dtype == "float16" or (s.dtype == "auto" and cuda)) else torch.float32
-        self.memory_fraction = apply_torch_budget(torch) if cuda else None
+        self.memory_fraction = ctx.torch_memory_budget(torch) if cuda else None
         kwargs: dict[str, Any] = {"torch_dtype": self.dtype, "local_files_only": True}
         if not s.safety_checker:
             kwargs.update(safety_checker=None, requires_safety_checker=False)
@@ -134,7 +132,13 @@ class DiffusersBackend(Backend):
         return [item]
 
     # ---- GPU worker -------------------------------------------------------------------
-    def infer_batch(self, items: list[Img2ImgItem]) -> list[Any]:
+    def infer_batch(self, items: list[Img2ImgItem], call: onecard.Call | None = None) -> list[Any]:
+        def cancelled(n: int) -> bool:
+            return call is not None and call.cancelled(n)
+        return self._infer(items, list(range(len(items))), cancelled)
+
+    def _infer(self, items: list[Img2ImgItem], where: list[int], cancelled) -> list[Any]:
+        """One pipeline call; ``where`` is each item's place in the model call (for ``cancelled``)."""
         if items and items[0].key == PASSTHROUGH:
             return [None] * len(items)
         import torch
@@ -143,16 +147,17 @@ class DiffusersBackend(Backend):
         if kind == "identity":
             return [np.asarray(i.image) for i in items]
         # a webui interrupt ended the request these belong to: what had not started is not generated
-        run = [i for i in items if not self.progress.stopped(i.job)]
+        run = [(i, w) for i, w in zip(items, where, strict=True) if not self.progress.stopped(i.job)]
         if len(run) < len(items):
-            done = dict(zip(map(id, run), self.infer_batch(run))) if run else {}
+            outs = self._infer([i for i, _ in run], [w for _, w in run], cancelled) if run else []
+            done = dict(zip((id(i) for i, _ in run), outs, strict=False))
             return [done.get(id(i)) for i in items]
         scheduler = self._scheduler(first.sampler or self.settings.scheduler)
         pipe = self.pipes[kind]
         pipe.scheduler = scheduler  # per call: calls are serialized on this thread
         limit = int(scheduler.config.get("num_train_timesteps", 1000)) - 1
         if first.steps > limit:
-            raise ApiError(422, "invalid_parameter", f"steps: at most {limit} for this model's scheduler")
+            raise Error(422, "invalid_parameter", f"steps: at most {limit} for this model's scheduler")
         total = first.steps if kind == "txt2img" else max(1, int(first.steps * first.strength))
         w, h = size
         self.progress.begin([i.job for i in items], total, textinfo=f"{kind}: {len(items)} image(s) at {w}x{h}")
@@ -162,7 +167,7 @@ class DiffusersBackend(Backend):
             if self.progress.wants_preview(step + 1) and kwargs.get("latents") is not None:
                 preview = LatentPreview(kwargs["latents"][:1].detach().clone(), size)
             self.progress.advance(step + 1, preview, getattr(p, "_num_timesteps", None))
-            if self.progress.should_stop() or all(i.cancel.is_set() for i in items):
+            if self.progress.should_stop() or all(cancelled(w) for w in where):
                 p._interrupt = True
             return kwargs
 
@@ -183,8 +188,8 @@ class DiffusersBackend(Backend):
         finally:
             self.progress.end()
         results: list[Any] = []
-        for n, item in enumerate(items):
-            if item.cancel.is_set():
+        for n, w in enumerate(where):
+            if cancelled(w):
                 results.append(Cancelled())
             else:
                 results.append((np.clip(out.images[n], 0, 1) * 255 + 0.5).astype(np.uint8))

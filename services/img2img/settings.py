@@ -6,12 +6,12 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from services.runtime.settings import RuntimeSettings
+import onecard
 
 SCHEDULERS = ("default", "ddim", "euler", "euler_a", "dpmpp_2m", "lms", "pndm", "heun", "unipc")
 
 
-class Img2ImgSettings(RuntimeSettings):
+class Img2ImgSettings(onecard.Settings):
     max_batch_size: int = Field(8, ge=1, le=64,
                                 description="compatible requests run as one pipeline call of up to this many images")
     request_timeout_s: float = Field(120.0, gt=0, le=3600, allow_inf_nan=False)
@@ -35,10 +35,11 @@ class Img2ImgSettings(RuntimeSettings):
                                                "largest POST /sdapi/v1/options body (413 beyond)")
     max_info_chars: int = Field(2**20, ge=1024, le=2**30,
                                 description="webui png-info: metadata text answered at most (longer text is cut)")
-    default_format: Literal["png", "jpeg", "webp"] = Field("png", description="output format when the client names none")
+    default_format: Literal["png", "jpeg", "webp"] = Field("png",
+                                                           description="output format when the client names none")
 
     @model_validator(mode="after")
-    def _diffusers_needs_a_model(self) -> "Img2ImgSettings":
+    def _diffusers_needs_a_model(self) -> Img2ImgSettings:
         if self.backend == "diffusers" and not self.model_path:
             raise ValueError("backend 'diffusers' needs model_path (a local model directory)")
         return self

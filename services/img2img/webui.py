@@ -24,9 +24,10 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import FastAPI
 from PIL import Image
 
+import onecard
+from onecard import Error, ImageHeader
 from services.img2img import webui_images as wi
 from services.img2img import webui_infotext
 from services.img2img import webui_schemas as ws
@@ -35,13 +36,6 @@ from services.img2img.webui_info import WebuiState, info_document, infotext, sda
 from services.img2img.webui_json import picture_bytes, read_webui_json
 from services.img2img.webui_models import WebuiBase, WebuiImg2Img, WebuiTxt2Img, echoed_parameters
 from services.img2img.webui_options import OUTPUT_FORMATS
-from services.runtime.body import RawRequest
-from services.runtime.codec import ImageHeader, decode_probed, probe_image
-from services.runtime.errors import ApiError
-from services.runtime.image_limits import check_encodable
-from services.runtime.inputs import decode_limits
-from services.runtime.params import inline_schema, validate
-from services.runtime.pipeline import ModelRoute, Reply, Work, json_reply
 
 ROUTE_ERRORS = (400, 401, 404, 413, 415, 422, 500, 503, 504)
 
@@ -51,8 +45,8 @@ def _random_seed() -> int:
 
 
 class WebuiRoutes:
-    def __init__(self, routes, ctx, state: WebuiState):
-        self.r, self.ctx, self.state = routes, ctx, state  # routes: app.Img2ImgRoutes
+    def __init__(self, routes, state: WebuiState):
+        self.r, self.state = routes, state  # routes: app.Img2ImgRoutes
 
     # ---- shared -----------------------------------------------------------------------
     def _options(self, req: WebuiBase) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
@@ -82,7 +76,7 @@ class WebuiRoutes:
         elif isinstance(always, list):
             scripts += [entry if isinstance(entry, str) else json.dumps(entry)[:64] for entry in always]
         if scripts:
-            raise ApiError(422, "script_not_found", f"Script {str(scripts[0])[:64]!r} not found: this service "
+            raise Error(422, "script_not_found", f"Script {str(scripts[0])[:64]!r} not found: this service "
                                                     f"runs no scripts (see /sdapi/v1/scripts)")
 
     def _plan(self, req: WebuiBase, kind: str) -> dict[str, Any]:
@@ -94,11 +88,11 @@ class WebuiRoutes:
         opts, keep, ignored = self._options(req)
         width, height = req.width, req.height  # None: the first init image's size (img2img)
         if width and height and width * height > self.r.cfg.max_pixels:
-            raise ApiError(413, "too_many_pixels", f"width x height = {width * height} is over the limit of "
+            raise Error(413, "too_many_pixels", f"width x height = {width * height} is over the limit of "
                                                    f"{self.r.cfg.max_pixels}")
         fmt = OUTPUT_FORMATS[str(opts.get("samples_format", "png")).lower()]
         if width and height and req.send_images is not False:
-            check_encodable(width, height, fmt, f"width x height {width}x{height} in samples_format {fmt!r}")
+            onecard.check_encodable(width, height, fmt, f"width x height {width}x{height} in samples_format {fmt!r}")
         return {"req": req, "kind": kind, "prompt": prompt, "negative_prompt": negative,
                 "sampler": sampler, "scheduler_key": key, "schedule": schedule,
                 "cfg_scale": req.cfg_scale if req.cfg_scale is not None else 7.0, "format": fmt,
@@ -111,25 +105,25 @@ class WebuiRoutes:
         req = gen["req"]
         n = batch_size * (req.n_iter or 1)
         if n > self.r.cfg.max_images:
-            raise ApiError(422, "invalid_parameter", f"batch_size x n_iter: {n} images is over this service's "
+            raise Error(422, "invalid_parameter", f"batch_size x n_iter: {n} images is over this service's "
                                                      f"max_images of {self.r.cfg.max_images}")
         seed = req.seed if req.seed is not None and req.seed >= 0 else _random_seed()
         subseed = req.subseed if req.subseed is not None and req.subseed >= 0 else _random_seed()
         gen.update(n=n, batch_size=batch_size, seeds=[seed + i for i in range(n)],
                    subseeds=[subseed + i for i in range(n)])
 
-    def check_cost(self, raw: RawRequest, gen: dict[str, Any], pictures: list[tuple[bytes, ImageHeader]] = (),
+    def check_cost(self, request: onecard.Request, gen: dict[str, Any], pictures: list[tuple[bytes, ImageHeader]] = (),
                    mask: tuple[bytes, ImageHeader] | None = None) -> None:
         """What the request will cost, stated before any picture is decoded (from the headers):
         n items at the generation size as the model sees it, the pictures decoded, the answers
-        produced and sent as base64 (services/runtime/cost.py checks the products)."""
+        produced and sent as base64 (the runtime's cost model checks the products)."""
         width, height, n = gen["width"], gen["height"], gen["n"]
         own_size = bool(gen.get("own_size")) and pictures  # inpainting at the picture's own size
         answer = max(h.pixels for _, h in pictures) if own_size else width * height
         sent = gen["req"].send_images is not False
-        raw.cost.check(items=n, item_pixels=self.r.model_pixels(width, height),
-                       input_pixels=sum(h.pixels for _, h in pictures) + (mask[1].pixels if mask else 0),
-                       output_pixels=n * answer, base64_output=True, output_bytes=None if sent else 4096)
+        request.cost(items=n, item_pixels=self.r.model_pixels(width, height),
+                     input_pixels=sum(h.pixels for _, h in pictures) + (mask[1].pixels if mask else 0),
+                     output_pixels=n * answer, base64_output=True, output_bytes=None if sent else 4096)
 
     def _steps(self, gen: dict[str, Any], strength: float) -> int:
         """The steps the model runs: with img2img_fix_steps, enough that `steps` of them denoise."""
@@ -138,20 +132,22 @@ class WebuiRoutes:
             return steps
         needed = steps / min(strength, 0.999)  # inf for a strength too small to be a float divisor
         if not needed <= self.r.cfg.max_steps:
-            raise ApiError(422, "invalid_parameter", f"img2img_fix_steps: {steps} steps at denoising_strength "
+            raise Error(422, "invalid_parameter", f"img2img_fix_steps: {steps} steps at denoising_strength "
                                                      f"{strength:g} would run {needed:.4g} steps; this service runs "
                                                      f"at most {self.r.cfg.max_steps}")
         return int(needed)
 
-    def _finish_plan(self, gen: dict[str, Any], items: list[Img2ImgItem]) -> Work:
+    def _finish_plan(self, request: onecard.Request, gen: dict[str, Any], items: list[Img2ImgItem]) -> list:
         self.r.progress.expect(gen["job"], gen["kind"], len(items), gen["batch_size"])
-        return Work(items, items[0].key, gen)
+        gen["items"] = items
+        request.state.gen = gen
+        return items
 
     # ---- img2img ----------------------------------------------------------------------
-    def decode_img2img(self, raw: RawRequest) -> Work:
+    def decode_img2img(self, request: onecard.Request) -> list[Img2ImgItem]:
         # fields
-        doc = webui_infotext.apply(read_webui_json(raw, self.r.cfg), img2img=True)
-        req = validate(WebuiImg2Img, doc)
+        doc = webui_infotext.apply(read_webui_json(request), img2img=True)
+        req = WebuiImg2Img.from_fields(doc)
         gen = self._plan(req, "img2img")
         strength = req.denoising_strength if req.denoising_strength is not None else 0.75
         gen["strength"] = strength
@@ -162,17 +158,18 @@ class WebuiRoutes:
         count, batch_size = len(req.init_images), req.batch_size or 1
         if count > 1:
             if count > batch_size:
-                raise ApiError(422, "invalid_parameter",
+                raise Error(422, "invalid_parameter",
                                f"init_images: {count} images for a batch_size of {batch_size}; send at most "
                                f"batch_size images")
             batch_size = count
         self._count(gen, batch_size)
         # pictures: headers first (sizes, limits, cost), then the pixels
-        pictures = self._probe_inits(req, gen)
-        mask = self._probe(req.mask, "mask") if req.mask else None
-        self.check_cost(raw, gen, pictures, mask)
-        inits = [Image.fromarray(decode_probed(data, header, self._reduce_to(req)).rgb) for data, header in pictures]
-        prepared = self._prepare_inits(req, inits, gen, mask)
+        pictures = self._probe_inits(request, req, gen)
+        mask = self._probe(request, req.mask, "mask") if req.mask else None
+        self.check_cost(request, gen, pictures, mask)
+        inits = [Image.fromarray(request.decode_image(data, header, max_side=self._reduce_to(req)))
+                 for data, header in pictures]
+        prepared = self._prepare_inits(request, req, inits, gen, mask)
         gen["overlays"] = []
         weights = None if self.state.diffusers else self.state.style_weights(req, gen["options"])
         items = []
@@ -183,11 +180,11 @@ class WebuiRoutes:
                                sampler=gen["scheduler_key"], size=None, mask=mask, job=gen["job"])
             items.append(self.r.prepare(item))
             gen["overlays"].append(overlay)
-        return self._finish_plan(gen, items)
+        return self._finish_plan(request, gen, items)
 
-    def _probe(self, text: Any, name: str) -> tuple[bytes, ImageHeader]:
+    def _probe(self, request: onecard.Request, text: Any, name: str) -> tuple[bytes, ImageHeader]:
         data = picture_bytes(text, name, self.r.cfg.max_body_bytes)
-        return data, probe_image(data, decode_limits(self.r.cfg))
+        return data, request.probe_image(data)
 
     @staticmethod
     def _reduce_to(req: WebuiImg2Img) -> int | None:
@@ -195,16 +192,17 @@ class WebuiRoutes:
         full_size = bool(req.mask and req.inpaint_full_res)
         return None if full_size else 2 * max(req.width or 0, req.height or 0) or None
 
-    def _probe_inits(self, req: WebuiImg2Img, gen: dict[str, Any]) -> list[tuple[bytes, ImageHeader]]:
+    def _probe_inits(self, request: onecard.Request, req: WebuiImg2Img,
+                     gen: dict[str, Any]) -> list[tuple[bytes, ImageHeader]]:
         """Every init image's bytes and header; sizes checked (the model's, the encoder's) before decoding."""
         full_size = bool(req.mask and req.inpaint_full_res)  # the answer keeps the original's pixels
         gen["own_size"] = full_size
         pictures = []
         for i, text in enumerate(req.init_images):
-            data, header = self._probe(text, f"init_images.{i}")
+            data, header = self._probe(request, text, f"init_images.{i}")
             self.r.check_size(header.width, header.height, f"init_images.{i}")
             if full_size and req.send_images is not False:
-                check_encodable(header.width, header.height, gen["format"],
+                onecard.check_encodable(header.width, header.height, gen["format"],
                                 f"init_images.{i} inpainted at its own size ({header.width}x{header.height}) "
                                 f"in samples_format {gen['format']!r}")
             pictures.append((data, header))
@@ -212,15 +210,16 @@ class WebuiRoutes:
             first = pictures[0][1]
             width, height = gen["width"] or first.width, gen["height"] or first.height
             if width * height > self.r.cfg.max_pixels:
-                raise ApiError(413, "too_many_pixels", f"width x height = {width * height} is over the limit of "
+                raise Error(413, "too_many_pixels", f"width x height = {width * height} is over the limit of "
                                                        f"{self.r.cfg.max_pixels}")
             if req.send_images is not False:
-                check_encodable(width, height, gen["format"], f"{width}x{height} in samples_format {gen['format']!r}")
+                onecard.check_encodable(width, height, gen["format"],
+                                        f"{width}x{height} in samples_format {gen['format']!r}")
             gen["width"], gen["height"] = width, height
         return pictures
 
-    def _prepare_inits(self, req: WebuiImg2Img, inits: list[Image.Image], gen: dict[str, Any],
-                       probed_mask: tuple[bytes, ImageHeader] | None):
+    def _prepare_inits(self, request: onecard.Request, req: WebuiImg2Img, inits: list[Image.Image],
+                       gen: dict[str, Any], probed_mask: tuple[bytes, ImageHeader] | None):
         """Per init image: (what the model starts from, its mask or None, the overlay or None)."""
         size, mode = (gen["width"], gen["height"]), req.resize_mode or 0
         if not req.mask:
@@ -228,7 +227,7 @@ class WebuiRoutes:
         blur_x = req.mask_blur if req.mask_blur is not None else (req.mask_blur_x or 0)
         blur_y = req.mask_blur if req.mask_blur is not None else (req.mask_blur_y or 0)
         data, header = probed_mask
-        source = wi.mask_channel(data, decode_probed(data, header).rgb)
+        source = wi.mask_channel(data, request.decode_image(data, header))
         mask = wi.prepare_mask(source, bool(req.inpainting_mask_invert), blur_x, blur_y)
         fill = req.inpainting_fill if req.inpainting_fill is not None else wi.FILL
         extra = gen["extra"]
@@ -264,12 +263,12 @@ class WebuiRoutes:
         return out
 
     # ---- txt2img ----------------------------------------------------------------------
-    def decode_txt2img(self, raw: RawRequest) -> Work:
+    def decode_txt2img(self, request: onecard.Request) -> list[Img2ImgItem]:
         if not getattr(self.r.backend, "supports_text_to_image", False):
-            raise ApiError(422, "unsupported", f"txt2img needs the diffusers backend; this service runs "
+            raise Error(422, "unsupported", f"txt2img needs the diffusers backend; this service runs "
                                                f"{self.r.backend.name!r}, which only transforms a picture")
-        doc = webui_infotext.apply(read_webui_json(raw, self.r.cfg), img2img=False)
-        req = validate(WebuiTxt2Img, doc)
+        doc = webui_infotext.apply(read_webui_json(request), img2img=False)
+        req = WebuiTxt2Img.from_fields(doc)
         gen = self._plan(req, "txt2img")
         gen["width"], gen["height"] = gen["width"] or 512, gen["height"] or 512
         if req.enable_hr:
@@ -277,7 +276,7 @@ class WebuiRoutes:
         gen["strength"] = req.denoising_strength
         gen["steps"] = self.r.steps(req.steps)
         self._count(gen, req.batch_size or 1)
-        self.check_cost(raw, gen)
+        self.check_cost(request, gen)
         width, height, side = gen["width"], gen["height"], self.r.cfg.max_side
         scale = min(1.0, side / max(width, height))
         size = (max(8, round(width * scale)), max(8, round(height * scale)))
@@ -286,11 +285,11 @@ class WebuiRoutes:
                                             gen["cfg_scale"], gen["seeds"][i], (width, height),
                                             sampler=gen["scheduler_key"], size=size, job=gen["job"]))
                  for i in range(gen["n"])]
-        return self._finish_plan(gen, items)
+        return self._finish_plan(request, gen, items)
 
     # ---- the answer -------------------------------------------------------------------
-    def encode(self, work: Work, results: list[Any], raw: RawRequest) -> Reply:
-        gen = work.state
+    def encode(self, results: list[Any], request: onecard.Request) -> dict[str, Any]:
+        gen = request.state.gen
         req = gen["req"]
         opts = gen["options"]
         if gen["keep_options"]:  # override_settings_restore_afterwards = false: they stay once it has run
@@ -300,7 +299,7 @@ class WebuiRoutes:
         images = []
         if req.send_images is not False:
             for i in produced:
-                img = Image.fromarray(self.r.finish(work.items[i], results[i]))
+                img = Image.fromarray(self.r.finish(gen["items"][i], results[i]))
                 if gen["overlays"][i] is not None:
                     img = gen["overlays"][i].apply(img)
                 text = infotext(gen, self.state, i) if opts.get("enable_pnginfo", True) else None
@@ -311,31 +310,29 @@ class WebuiRoutes:
         if gen["kind"] == "img2img" and not req.include_init_images:
             parameters["init_images"] = None
             parameters["mask"] = None
-        return json_reply({"images": images, "parameters": parameters, "info": json.dumps(info)})
+        return {"images": images, "parameters": parameters, "info": json.dumps(info)}
 
-    def route(self, kind: str) -> ModelRoute:
+    def route(self, kind: str) -> onecard.Route:
         decode = self.decode_img2img if kind == "img2img" else self.decode_txt2img
         model = WebuiImg2Img if kind == "img2img" else WebuiTxt2Img
         # the pipeline documents every status for a model route: each in the webui's shape here
-        return ModelRoute(
+        return onecard.Route(
             f"/sdapi/v1/{kind}", decode, self.encode, summary=f"AUTOMATIC1111 webui {kind}", tags=["webui"],
-            request_body={"required": True, "content": {"application/json": {"schema": inline_schema(model)}}},
+            image_fields=(),
+            request_body={"required": True, "content": {"application/json": {"schema": onecard.openapi_schema(model)}}},
             responses=ws.responses(ws.GenerationResponse, "images (base64), the parameters, and info (a JSON string)",
                                    errors=ROUTE_ERRORS),
             error_body=sdapi_error)
 
 
-def add_routes(app: FastAPI, ctx, routes) -> None:
+def add_routes(service: onecard.Service, routes) -> None:
     from services.img2img.webui_extras import ExtrasRoutes
     from services.img2img.webui_routes import add_control_routes
-    cfg = routes.cfg
-    auth = bool(cfg.resolved_api_key() or cfg.basic_auth_env or cfg.basic_auth_file)
     state = WebuiState(routes)
-    web = WebuiRoutes(routes, ctx, state)
-    ctx.pipeline.add(app, web.route("img2img"))
-    ctx.pipeline.add(app, web.route("txt2img"))
-    extras = ExtrasRoutes(routes, state)
-    for route in extras.routes():
-        ctx.pipeline.add(app, route)
-    ctx.error_bodies["/sdapi/"] = sdapi_error
-    add_control_routes(app, ctx, routes, state, auth)
+    web = WebuiRoutes(routes, state)
+    service.add_route(web.route("img2img"))
+    service.add_route(web.route("txt2img"))
+    for route in ExtrasRoutes(routes, state).routes():
+        service.add_route(route)
+    service.error_shape("/sdapi/", sdapi_error)
+    add_control_routes(service, routes, state, routes.cfg.auth_required)

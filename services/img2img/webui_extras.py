@@ -26,24 +26,18 @@ import html
 import io
 from typing import Any
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from pydantic import ConfigDict, Field
 
+import onecard
+from onecard import IMAGE_FORMATS, Error, Params, Str
 from services.img2img import webui_infotext
 from services.img2img import webui_schemas as ws
 from services.img2img.params import PassthroughItem
 from services.img2img.webui_info import WebuiState, sdapi_error
 from services.img2img.webui_json import picture_bytes, read_webui_json
-from services.img2img.webui_options import OUTPUT_FORMATS
-from services.runtime import jpeg
-from services.runtime.body import RawRequest
-from services.runtime.codec import ALLOWED_FORMATS, decode_image
-from services.runtime.errors import ApiError
-from services.runtime.image_limits import check_encodable
-from services.runtime.inputs import decode_limits
 from services.img2img.webui_models import Bool, Float
-from services.runtime.params import Params, Str, inline_schema, validate
-from services.runtime.pipeline import ModelRoute, Reply, Work, json_reply
+from services.img2img.webui_options import OUTPUT_FORMATS
 
 UPSCALER_NAMES = ("None", "Lanczos", "Nearest")
 ERRORS = (400, 401, 413, 415, 422, 500, 503, 504)
@@ -90,37 +84,20 @@ class PngInfoRequest(Params):
 def _upscaler(name: str, field: str) -> str | None:
     found = next((u for u in UPSCALER_NAMES if u.lower() == name.strip().lower()), None)
     if found is None:
-        raise ApiError(422, "invalid_parameter", f"{field}: upscaler {name[:64]!r} not found; this service has "
+        raise Error(422, "invalid_parameter", f"{field}: upscaler {name[:64]!r} not found; this service has "
                                                  f"{', '.join(UPSCALER_NAMES)} (see /sdapi/v1/upscalers)")
     return None if found == "None" else found
 
 
-def _header(data: bytes, name: str, max_markers: int) -> tuple[int, int, str]:
-    """(width, height as oriented, format) from the header, without decoding a pixel."""
-    if data[:2] == b"\xff\xd8":
-        try:
-            jpeg.walk(data, 10**9, max_markers)
-        except jpeg.JpegLimitError as exc:
-            raise ApiError(413, "image_too_complex", f"{name}: {exc}: decoding it would cost too much") from None
+def _header(request: onecard.Request, data: bytes, name: str, max_markers: int) -> tuple[int, int, str]:
+    """(width, height as oriented, format) from the header, without decoding a pixel: the
+    structure's size bounded (JPEG segments, PNG chunks before the pixels, which Pillow reads
+    one by one to open the file), no pixel or scan limit (png-info decodes nothing; the
+    extras check the pixels they will decode themselves)."""
     if data[:8] == b"\x89PNG\r\n\x1a\n" and not webui_infotext.png_chunks_within(data, max_markers):
-        raise ApiError(413, "image_too_complex", f"{name}: more than {max_markers} PNG chunks before its pixels")
-    try:
-        im = webui_infotext.open_metadata(data, ALLOWED_FORMATS)
-        width, height = im.size
-        try:
-            turned = im.getexif().get(0x0112, 1) in (5, 6, 7, 8)
-        except Exception:  # noqa: BLE001 - as the decoder: a broken EXIF block does not turn a picture
-            turned = False
-    except UnidentifiedImageError:
-        if data.startswith((b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"BM")) or data[:4] == b"RIFF":
-            raise ApiError(400, "corrupt_image", f"{name}: the image header is corrupt") from None
-        raise ApiError(415, "unsupported_image", f"{name}: not an image in one of {', '.join(ALLOWED_FORMATS)}") \
-            from None
-    except Exception as exc:  # noqa: BLE001 - a broken header is the caller's data
-        raise ApiError(400, "corrupt_image", f"{name}: cannot read the image header: {exc}") from None
-    if width <= 0 or height <= 0:
-        raise ApiError(400, "corrupt_image", f"{name}: the image has no pixels")
-    return (height, width, im.format or "") if turned else (width, height, im.format or "")
+        raise Error(413, "image_too_complex", f"{name}: more than {max_markers} PNG chunks before its pixels")
+    header = request.probe_image(data, name, for_decoding=False)
+    return header.width, header.height, header.format
 
 
 class Upscale:
@@ -148,7 +125,7 @@ class Upscale:
         self.scaled = (int(width * self.scale), int(height * self.scale))  # before the rounding to 8
         self.size = (self.scaled[0] // 8 * 8, self.scaled[1] // 8 * 8)
         if min(self.size) < 1:
-            raise ApiError(422, "invalid_parameter", f"{name}: {width}x{height} upscaled by {self.scale:g} is "
+            raise Error(422, "invalid_parameter", f"{name}: {width}x{height} upscaled by {self.scale:g} is "
                                                      f"{self.scaled[0]}x{self.scaled[1]}, under 8 px a side")
         if self.crop_to is not None:
             self.size = self.crop_to
@@ -197,110 +174,114 @@ class ExtrasRoutes:
         self.r, self.state = routes, state  # routes: app.Img2ImgRoutes
 
     # ---- png-info ---------------------------------------------------------------------
-    def decode_png_info(self, raw: RawRequest) -> Work:
-        req = validate(PngInfoRequest, read_webui_json(raw, self.r.cfg))
+    def decode_png_info(self, request: onecard.Request) -> list[PassthroughItem]:
+        req = PngInfoRequest.from_fields(read_webui_json(request))
         data = picture_bytes(req.image.strip(), "image", self.r.cfg.max_body_bytes)
         if not data:
-            raise ApiError(400, "empty_image", "image: the picture is empty")
-        _header(data, "image", self.r.cfg.max_image_markers)  # format, size and structure within limits
+            raise Error(400, "empty_image", "image: the picture is empty")
+        _header(request, data, "image", self.r.cfg.max_image_markers)  # format, size and structure within limits
         try:
-            text, items = webui_infotext.read_info(webui_infotext.open_metadata(data, ALLOWED_FORMATS),
+            text, items = webui_infotext.read_info(webui_infotext.open_metadata(data, IMAGE_FORMATS),
                                                    self.r.cfg.max_info_chars)
         except Exception as exc:  # noqa: BLE001 - unreadable metadata is the caller's data
-            raise ApiError(400, "corrupt_image", f"image: cannot read its metadata: {exc}") from None
-        return Work([PassthroughItem()], PassthroughItem.key, {"info": text, "items": items})
+            raise Error(400, "corrupt_image", f"image: cannot read its metadata: {exc}") from None
+        request.state.png_info = {"info": text, "items": items}
+        return [PassthroughItem()]
 
-    def encode_png_info(self, work: Work, results: list[Any], raw: RawRequest) -> Reply:
-        info = work.state["info"]
-        return json_reply({"info": info, "items": work.state["items"],
-                           "parameters": webui_infotext.parse(info) if info else {}})
+    def encode_png_info(self, results: list[Any], request: onecard.Request) -> dict[str, Any]:
+        info = request.state.png_info["info"]
+        return {"info": info, "items": request.state.png_info["items"],
+                "parameters": webui_infotext.parse(info) if info else {}}
 
     # ---- extras -----------------------------------------------------------------------
-    def _plan(self, req: _ExtrasBase, pictures: list[tuple[str, Any]]) -> dict[str, Any]:
+    def _plan(self, request: onecard.Request, req: _ExtrasBase, pictures: list[tuple[str, Any]]) -> dict[str, Any]:
         """Headers read, upscales planned and every limit checked; nothing decoded yet."""
         cfg = self.r.cfg
         if req.gfpgan_visibility > 0 or req.codeformer_visibility > 0:
             which = "gfpgan_visibility" if req.gfpgan_visibility > 0 else "codeformer_visibility"
-            raise ApiError(422, "invalid_parameter", f"{which}: this service has no face restorer (see "
+            raise Error(422, "invalid_parameter", f"{which}: this service has no face restorer (see "
                                                      f"/sdapi/v1/face-restorers); send 0")
         if len(pictures) > cfg.max_images:
-            raise ApiError(422, "invalid_parameter", f"imageList: {len(pictures)} pictures is over this service's "
+            raise Error(422, "invalid_parameter", f"imageList: {len(pictures)} pictures is over this service's "
                                                      f"max_images of {cfg.max_images}")
         fmt = OUTPUT_FORMATS[str(self.state.options.get("samples_format", "png")).lower()]
         plans, total = [], 0
         for name, text in pictures:
             data = picture_bytes(text, name, cfg.max_body_bytes)
             if not data:
-                raise ApiError(400, "empty_image", f"{name}: the picture is empty")
-            width, height, source_format = _header(data, name, cfg.max_image_markers)
+                raise Error(400, "empty_image", f"{name}: the picture is empty")
+            width, height, source_format = _header(request, data, name, cfg.max_image_markers)
             if width * height > cfg.max_pixels:
-                raise ApiError(413, "too_many_pixels", f"{name}: {width}x{height} = {width * height} pixels is over "
+                raise Error(413, "too_many_pixels", f"{name}: {width}x{height} = {width * height} pixels is over "
                                                        f"the limit of {cfg.max_pixels}")
             up = Upscale(req, width, height, name)
             total += width * height + up.work_pixels
             if total > cfg.max_pixels:
-                raise ApiError(413, "too_many_pixels", f"{name}: the pictures and their upscales hold {total} pixels "
+                raise Error(413, "too_many_pixels", f"{name}: the pictures and their upscales hold {total} pixels "
                                                        f"so far, over this request's limit of {cfg.max_pixels} "
                                                        f"(max_pixels)")
-            check_encodable(*up.size, fmt, f"{name} upscaled to {up.size[0]}x{up.size[1]} in samples_format "
+            onecard.check_encodable(*up.size, fmt, f"{name} upscaled to {up.size[0]}x{up.size[1]} in samples_format "
                                            f"{fmt!r}")
             plans.append((name, data, source_format, up))
         return {"format": fmt, "plans": plans}
 
-    def decode_single(self, raw: RawRequest) -> Work:
-        req = validate(ExtrasSingleImage, read_webui_json(raw, self.r.cfg))
-        return self._work(req, self._plan(req, [("image", req.image)]), single=True, raw=raw)
+    def decode_single(self, request: onecard.Request) -> list[PassthroughItem]:
+        req = ExtrasSingleImage.from_fields(read_webui_json(request))
+        return self._work(req, self._plan(request, req, [("image", req.image)]), single=True, request=request)
 
-    def decode_batch(self, raw: RawRequest) -> Work:
-        req = validate(ExtrasBatchImages, read_webui_json(raw, self.r.cfg))
+    def decode_batch(self, request: onecard.Request) -> list[PassthroughItem]:
+        req = ExtrasBatchImages.from_fields(read_webui_json(request))
         pictures = [(f"imageList.{i}.data", f.data) for i, f in enumerate(req.imageList)]
-        return self._work(req, self._plan(req, pictures), single=False, raw=raw)
+        return self._work(req, self._plan(request, req, pictures), single=False, request=request)
 
-    def _work(self, req: _ExtrasBase, plan: dict[str, Any], single: bool, raw: RawRequest) -> Work:
+    def _work(self, req: _ExtrasBase, plan: dict[str, Any], single: bool,
+              request: onecard.Request) -> list[PassthroughItem]:
         """The pictures stay encoded until the encode hook: nothing waits in the queue at full
         size, and a dry run stops after the headers. The encode hook holds one picture and its
         upscale at a time, and every answer (base64) until it is sent: that is the cost."""
         plans = plan["plans"]
-        raw.cost.check(items=1, item_pixels=0,
-                       input_pixels=max((up.input_pixels + up.work_pixels for *_, up in plans), default=0),
-                       output_pixels=sum(up.size[0] * up.size[1] for *_, up in plans), base64_output=True)
-        return Work([PassthroughItem()], PassthroughItem.key, {"plans": plan["plans"], "format": plan["format"],
-                                                               "single": single})
+        request.cost(items=1, item_pixels=0,
+                     input_pixels=max((up.input_pixels + up.work_pixels for *_, up in plans), default=0),
+                     output_pixels=sum(up.size[0] * up.size[1] for *_, up in plans), base64_output=True)
+        request.state.extras = {"plans": plan["plans"], "format": plan["format"], "single": single}
+        return [PassthroughItem()]
 
-    def encode_extras(self, work: Work, results: list[Any], raw: RawRequest) -> Reply:
+    def encode_extras(self, results: list[Any], request: onecard.Request) -> dict[str, Any]:
         opts = self.state.options
-        state = work.state
-        limits = decode_limits(self.r.cfg)
+        state = request.state.extras
         images, text = [], ""
-        for name, data, source_format, up in state["plans"]:
+        for _name, data, source_format, up in state["plans"]:
             parameters = None
             if source_format == "PNG" and opts.get("enable_pnginfo", True):  # the webui keeps a picture's infotext
                 parameters = webui_infotext.open_metadata(data, ("PNG",)).info.get("parameters")
-            out = up.apply(Image.fromarray(decode_image(data, limits).rgb))
+            out = up.apply(Image.fromarray(request.decode_image(data)))
             text = up.infotext()
             keep = parameters if isinstance(parameters, str) else None
             images.append(_encode_extras(out, state["format"], opts.get("jpeg_quality", 80), keep, text))
         html_info = "<p>" + "<br>\n".join(html.escape(line) for line in text.split("\n")) + "</p>"
         if state["single"]:
-            return json_reply({"html_info": html_info, "image": images[0]})
-        return json_reply({"html_info": html_info, "images": images})
+            return {"html_info": html_info, "image": images[0]}
+        return {"html_info": html_info, "images": images}
 
-    def routes(self) -> list[ModelRoute]:
+    def routes(self) -> list[onecard.Route]:
         errors = ERRORS  # the pipeline documents every status for a model route: each in the webui's shape here
 
         def body(model) -> dict[str, Any]:
-            return {"required": True, "content": {"application/json": {"schema": inline_schema(model)}}}
+            return {"required": True, "content": {"application/json": {"schema": onecard.openapi_schema(model)}}}
         return [
-            ModelRoute("/sdapi/v1/png-info", self.decode_png_info, self.encode_png_info, tags=["webui"],
+            onecard.Route("/sdapi/v1/png-info", self.decode_png_info, self.encode_png_info, tags=["webui"],
+                          image_fields=(),
                        summary="The generation parameters a picture carries (PNG text, JPEG/WebP EXIF)",
                        request_body=body(PngInfoRequest), error_body=sdapi_error,
                        responses=ws.responses(ws.PNGInfoResponse, "the infotext, the other items, the parsed "
                                               "parameters", errors=errors)),
-            ModelRoute("/sdapi/v1/extra-single-image", self.decode_single, self.encode_extras, tags=["webui"],
+            onecard.Route("/sdapi/v1/extra-single-image", self.decode_single, self.encode_extras, tags=["webui"],
+                          image_fields=(),
                        summary="Upscale a picture with a model-free upscaler (Lanczos, Nearest)",
                        request_body=body(ExtrasSingleImage), error_body=sdapi_error,
                        responses=ws.responses(ws.ExtrasSingleImageResponse, "the upscaled picture", errors=errors)),
-            ModelRoute("/sdapi/v1/extra-batch-images", self.decode_batch, self.encode_extras, tags=["webui"],
+            onecard.Route("/sdapi/v1/extra-batch-images", self.decode_batch, self.encode_extras, tags=["webui"],
+                          image_fields=(),
                        summary="Upscale pictures with a model-free upscaler (Lanczos, Nearest)",
                        request_body=body(ExtrasBatchImages), error_body=sdapi_error,
                        responses=ws.responses(ws.ExtrasBatchImagesResponse, "the upscaled pictures", errors=errors)),

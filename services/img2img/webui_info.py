@@ -13,14 +13,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
+import onecard
+from onecard import Error
 from services.img2img.params import parse_style
 from services.img2img.webui_infotext import quote
 from services.img2img.webui_options import OptionsStore
-from services.runtime.errors import ApiError
 
 # webui sampler name, its aliases, the diffusers scheduler key that runs it
 SAMPLERS = [
@@ -103,7 +105,7 @@ class WebuiState:
         checkpoint must be this unit's model."""
         if "sd_model_checkpoint" in doc:
             if not self.is_this_model(doc["sd_model_checkpoint"]):
-                raise ApiError(422, "invalid_parameter", f"{where}sd_model_checkpoint: this unit serves "
+                raise Error(422, "invalid_parameter", f"{where}sd_model_checkpoint: this unit serves "
                                                          f"{self.model_title!r} and never switches models")
             doc = {**doc, "sd_model_checkpoint": self.model_title}
         return self.store.typed(doc, where)
@@ -122,7 +124,7 @@ class WebuiState:
         try:
             return parse_style(spec)
         except ValueError as exc:
-            raise ApiError(422, "invalid_parameter", f"style: {exc}") from None
+            raise Error(422, "invalid_parameter", f"style: {exc}") from None
 
     # ---- samplers -----------------------------------------------------------------------
     @property
@@ -140,7 +142,7 @@ class WebuiState:
         if not self.diffusers:  # nothing samples here: the name is reported, as the webui spells a known one
             return (found[0] if found else name or DEFAULT_SAMPLER), None, "Automatic"
         if found is None:
-            raise ApiError(404, "sampler_not_found", f"Sampler not found: {name[:64]!r}; see /sdapi/v1/samplers")
+            raise Error(404, "sampler_not_found", f"Sampler not found: {name[:64]!r}; see /sdapi/v1/samplers")
         webui_name, key = found
         if karras and key in KARRAS:
             return webui_name, f"{key}_karras", "Karras"
@@ -190,22 +192,21 @@ def info_document(gen: dict[str, Any], state: WebuiState) -> dict[str, Any]:
 
 
 def _version() -> str:
-    from services.runtime.info import version
-    return version()
+    return onecard.__version__
 
 
-def sdapi_error(exc: ApiError) -> dict[str, Any]:
+def sdapi_error(exc: Error) -> dict[str, Any]:
     """The webui's error body, with our code in `error`."""
     return {"error": exc.code, "detail": exc.message, "body": "", "errors": f"{exc.status}: {exc.message}"}
 
 
 def guard(fn: Callable) -> Callable:
-    """A /sdapi route whose ApiError answers in the webui's shape."""
+    """A /sdapi route whose Error answers in the webui's shape."""
     @functools.wraps(fn)
     async def wrapper(*args, **kwargs):
         try:
             return await fn(*args, **kwargs)
-        except ApiError as exc:
+        except Error as exc:
             return JSONResponse(sdapi_error(exc), status_code=exc.status, headers=exc.headers)
     return wrapper
 

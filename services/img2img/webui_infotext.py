@@ -128,7 +128,7 @@ _FIELDS = {"Prompt": ("prompt", str), "Negative prompt": ("negative_prompt", str
 def apply(doc: dict[str, Any], img2img: bool) -> dict[str, Any]:
     """`doc` with the fields its `infotext` names filled in where the body left them out, as
     the webui does; values that do not convert are a 422 (the model validates the rest)."""
-    from services.runtime.errors import ApiError
+    from onecard import Error
     text = doc.get("infotext")
     if not isinstance(text, str) or not text.strip():
         return doc
@@ -143,7 +143,7 @@ def apply(doc: dict[str, Any], img2img: bool) -> dict[str, Any]:
         try:
             out[name] = kind(value) if kind is not int else int(str(value).strip())
         except (TypeError, ValueError):
-            raise ApiError(422, "invalid_parameter", f"infotext: {label}: {str(value)[:40]!r} is not a "
+            raise Error(422, "invalid_parameter", f"infotext: {label}: {str(value)[:40]!r} is not a "
                                                      f"{'whole number' if kind is int else 'number'}") from None
     return out
 

@@ -15,11 +15,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from services.runtime.body import RawRequest
-from services.runtime.codec import decode_base64
-from services.runtime.errors import ApiError
-from services.runtime.inputs import read_json
-from services.runtime.settings import RuntimeSettings
+import onecard
+from onecard import Error
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _WHITESPACE = re.compile(r"[ \t\r\n\f\v]+")
@@ -38,21 +35,23 @@ def refuse_lone_surrogates(doc: Any, where: tuple = ()) -> None:
         path, node = stack.pop()
         if isinstance(node, str):
             if not node.isascii() and _SURROGATE.search(node):
-                raise ApiError(422, "invalid_parameter", f"{_path(path)}: holds a lone UTF-16 surrogate, which is not "
+                raise Error(422, "invalid_parameter", f"{_path(path)}: holds a lone UTF-16 surrogate, which is not "
                                                          f"text (it cannot be written as UTF-8)")
         elif isinstance(node, dict):
             for key, value in node.items():
                 if not key.isascii() and _SURROGATE.search(key):
-                    raise ApiError(422, "invalid_parameter", f"{_path(path) + '.' if path else ''}{key!a}: a key with "
+                    raise Error(422, "invalid_parameter", f"{_path(path) + '.' if path else ''}{key!a}: a key with "
                                                              f"a lone UTF-16 surrogate, which is not text")
                 stack.append(((*path, key), value))
         elif isinstance(node, list):
             stack.extend(((*path, i), value) for i, value in enumerate(node))
 
 
-def read_webui_json(raw: RawRequest, settings: RuntimeSettings) -> dict[str, Any]:
+def read_webui_json(request: onecard.Request) -> dict[str, Any]:
     """The body as a JSON object (415/400/422 as for every JSON route), its text valid Unicode."""
-    doc = read_json(raw, settings)
+    doc = request.json()
+    if not isinstance(doc, dict):
+        raise Error(422, "invalid_parameter", "body: expected a JSON object")
     refuse_lone_surrogates(doc)
     return doc
 
@@ -64,5 +63,5 @@ def picture_bytes(text: Any, name: str, max_bytes: int) -> bytes:
         if any(c in text for c in " \r\n\t\f\v"):  # a substring test is C speed; most pictures have none
             text = _WHITESPACE.sub("", text)
     elif isinstance(text, str):
-        raise ApiError(422, "invalid_parameter", f"{name}: a URL; this service does not fetch pictures, send base64")
-    return decode_base64(text, name, max_bytes)
+        raise Error(422, "invalid_parameter", f"{name}: a URL; this service does not fetch pictures, send base64")
+    return onecard.decode_base64(text, name, max_bytes)

@@ -14,8 +14,9 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, ConfigDict, Field
 
+import onecard
+from onecard import Params, Str, Text
 from services.img2img.params import MAX_SEED
-from services.runtime.params import Params, Str, Text, _boolean, _integer, _number
 
 
 def _as_text(value: Any) -> Any:
@@ -28,12 +29,14 @@ def _as_text(value: Any) -> Any:
 def _lax_bool(value: Any) -> Any:
     if type(value) is int and value in (0, 1):
         return bool(value)
-    return _boolean(_as_text(value))
+    return _as_text(value)
 
 
-Int = Annotated[int, BeforeValidator(lambda v: _integer(_as_text(v)))]
-Float = Annotated[float, BeforeValidator(lambda v: _number(_as_text(v))), Field(allow_inf_nan=False)]
-Bool = Annotated[bool, BeforeValidator(_lax_bool)]
+# onecard's strict types, each reading a JSON string as text first (pydantic runs the outer
+# before-validator first): still finite, in range, and a whole number where one is expected
+Int = Annotated[onecard.Int, BeforeValidator(_as_text)]
+Float = Annotated[onecard.Float, BeforeValidator(_as_text)]
+Bool = Annotated[onecard.Bool, BeforeValidator(_lax_bool)]
 
 
 class WebuiBase(Params):

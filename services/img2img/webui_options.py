@@ -20,11 +20,12 @@ from __future__ import annotations
 import json
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
+from onecard import Error
 from services.img2img.params import parse_style
-from services.runtime.errors import ApiError
 
 OUTPUT_FORMATS = {"png": "png", "jpg": "jpeg", "jpeg": "jpeg", "webp": "webp"}
 PREVIEW_FORMATS = ("png", "jpeg", "webp")
@@ -67,8 +68,8 @@ KNOWN: dict[str, Known] = {
 }
 
 
-def _bad(where: str, key: str, why: str) -> ApiError:
-    return ApiError(422, "invalid_parameter", f"{where}{key}: {why}")
+def _bad(where: str, key: str, why: str) -> Error:
+    return Error(422, "invalid_parameter", f"{where}{key}: {why}")
 
 
 def typed(key: str, value: Any, where: str = "") -> Any:
@@ -158,7 +159,7 @@ class OptionsStore:
                 continue
             size = len(encode(key)) + len(encode(value))
             if size > self.max_value_bytes:
-                raise ApiError(413, "option_too_large", f"{where}{key[:64]}: {size} bytes encoded, over the limit of "
+                raise Error(413, "option_too_large", f"{where}{key[:64]}: {size} bytes encoded, over the limit of "
                                                         f"{self.max_value_bytes} bytes for one setting")
 
     def _merged(self, doc: dict[str, Any], where: str) -> tuple[dict[str, Any], bytes]:
@@ -166,11 +167,11 @@ class OptionsStore:
         merged = {**self._doc, **doc}
         unknown = sum(1 for k in merged if k not in KNOWN)
         if unknown > self.max_keys:
-            raise ApiError(413, "too_many_options", f"{where}{unknown} settings this service does not use would "
+            raise Error(413, "too_many_options", f"{where}{unknown} settings this service does not use would "
                                                     f"be stored; the limit is {self.max_keys}")
         data = encode(merged)
         if len(data) > self.max_bytes:
-            raise ApiError(413, "options_too_large", f"{where}the settings would take {len(data)} bytes "
+            raise Error(413, "options_too_large", f"{where}the settings would take {len(data)} bytes "
                                                      f"encoded; the limit is {self.max_bytes}")
         return merged, data
 

@@ -10,20 +10,21 @@ answers the bytes the store encoded when it last changed.
 
 from __future__ import annotations
 
+import base64
 import inspect
 import io
 import json
-import base64
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+import onecard
+from onecard import Error
 from services.img2img import webui_schemas as ws
 from services.img2img.webui_info import KARRAS, SAMPLERS, WebuiState, _memory, guard, sdapi_error
 from services.img2img.webui_json import refuse_lone_surrogates
-from services.runtime.body import parse_json_object, read_body
-from services.runtime.errors import ApiError
 
 # the webui's model-free upscalers (Lanczos and Nearest resize; None leaves the picture as it is)
 UPSCALERS = [{"name": name, "model_name": None, "model_path": None, "model_url": None, "scale": 4}
@@ -36,14 +37,20 @@ def _preview_png(preview: Callable) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def _parse_options(body: bytes, state: WebuiState, max_depth: int, max_fields: int) -> None:
+def _parse_options(body: bytes, state: WebuiState, parse: Callable[[bytes], Any], max_fields: int) -> None:
     """Parse, check and store a settings document (CPU pool)."""
-    doc = parse_json_object(body, max_depth, max(max_fields, state.store.max_keys + 64))
+    doc = parse(body)
+    if not isinstance(doc, dict):
+        raise Error(422, "invalid_parameter", "body: expected a JSON object")
+    limit = max(max_fields, state.store.max_keys + 64)
+    if len(doc) > limit:
+        raise Error(422, "invalid_parameter", f"body: more than {limit} fields")
     refuse_lone_surrogates(doc)
     state.update_options(doc)
 
 
-def add_control_routes(app: FastAPI, ctx, routes, state: WebuiState, auth: bool) -> None:
+def add_control_routes(service: onecard.Service, routes, state: WebuiState, auth: bool) -> None:
+    app = service.app
     errors = (401, 500, 503) if auth else (500, 503)
     progress = routes.progress
     cfg = routes.cfg
@@ -57,7 +64,7 @@ def add_control_routes(app: FastAPI, ctx, routes, state: WebuiState, auth: bool)
         doc, preview = progress.snapshot()
         skip = request.query_params.get("skip_current_image", "false").strip().lower() in ("true", "1", "yes")
         if preview is not None and not skip:
-            doc["current_image"] = await ctx.cpu.run(_preview_png, preview)
+            doc["current_image"] = await service.run_cpu(_preview_png, preview)
         return JSONResponse(doc)
 
     async def progress_lite() -> JSONResponse:
@@ -75,10 +82,10 @@ def add_control_routes(app: FastAPI, ctx, routes, state: WebuiState, auth: bool)
         return Response(state.store.encoded, media_type="application/json")
 
     async def set_options(request: Request) -> JSONResponse:
-        body = await read_body(request, cfg.max_options_bytes)
+        body = await service.read_body(request, cfg.max_options_bytes)
         if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
-            raise ApiError(415, "unsupported_media_type", "send the options as application/json")
-        await ctx.cpu.run(_parse_options, body, state, cfg.max_json_depth, cfg.max_fields)
+            raise Error(415, "unsupported_media_type", "send the options as application/json")
+        await service.run_cpu(_parse_options, body, state, service.parse_json, cfg.max_fields)
         return JSONResponse(None)
 
     route("/sdapi/v1/progress", "GET", get_progress, "The running generation (webui shape); current_image unless "
@@ -117,7 +124,7 @@ def add_control_routes(app: FastAPI, ctx, routes, state: WebuiState, auth: bool)
                              "onecard_backend": cfg.backend})
 
     async def memory():
-        return JSONResponse(await ctx.cpu.run(_memory))
+        return JSONResponse(await service.run_cpu(_memory))
 
     def constant(value: Any) -> Callable:
         async def answer() -> JSONResponse:
@@ -173,9 +180,9 @@ def _not_found_routes(app: FastAPI) -> None:
             if match != Match.NONE:
                 allowed |= set(getattr(r, "methods", None) or ())
         if allowed:
-            exc = ApiError(405, "method_not_allowed", "Method Not Allowed", {"Allow": ", ".join(sorted(allowed))})
+            exc = Error(405, "method_not_allowed", "Method Not Allowed", {"Allow": ", ".join(sorted(allowed))})
         else:
-            exc = ApiError(404, "not_found", "Not Found")
+            exc = Error(404, "not_found", "Not Found")
         return JSONResponse(sdapi_error(exc), status_code=exc.status, headers=exc.headers)
 
     app.add_api_route("/sdapi/{rest:path}", unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
@@ -200,6 +207,6 @@ def _server_errors_in_webui_shape(app: FastAPI) -> None:
             code, message = str(err["code"]), str(err["message"])
         except (ValueError, KeyError, TypeError):
             code, message = "internal_error", "unexpected error"
-        return JSONResponse(sdapi_error(ApiError(resp.status_code, code, message)), status_code=resp.status_code)
+        return JSONResponse(sdapi_error(Error(resp.status_code, code, message)), status_code=resp.status_code)
 
     app.add_exception_handler(Exception, handler)

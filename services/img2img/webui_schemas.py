@@ -7,8 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.runtime.errors import ERROR_STATUSES
-from services.runtime.params import inline_schema
+import onecard
+from onecard import Error
 
 
 class _Out(BaseModel):
@@ -133,13 +133,13 @@ SDAPI_ERROR_SCHEMA = {
 
 
 def schema(body: type[BaseModel] | dict[str, Any], array: bool = False) -> dict[str, Any]:
-    out = inline_schema(body, mode="serialization") if isinstance(body, type) else body
+    out = onecard.openapi_schema(body, mode="serialization") if isinstance(body, type) else body
     return {"type": "array", "items": out} if array else out
 
 
 def sdapi_errors(statuses: tuple[int, ...]) -> dict[int, dict[str, Any]]:
     content = {"application/json": {"schema": SDAPI_ERROR_SCHEMA}}
-    described = {**ERROR_STATUSES, 404: "not found (a sampler, an unknown path)"}
+    described = {**Error.STATUSES, 404: "not found (a sampler, an unknown path)"}
     return {s: {"description": described[s], "content": content} for s in statuses}
 
 

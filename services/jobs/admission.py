@@ -24,7 +24,7 @@ class SubmitBudget:
         size = min(declared, max_body_bytes) if declared is not None else max_body_bytes
         return min(self.total, HELD_PER_BODY_BYTE * max(size, 1))
 
-    def take(self, n: int) -> "Held":
+    def take(self, n: int) -> Held:
         if self.used + n > self.total:
             raise ApiError(503, "busy", f"submits being read hold {self.used} of submit_memory_bytes "
                            f"({self.total}); this one needs {n}; retry shortly",
@@ -41,7 +41,7 @@ class Held:
         self.budget.used -= self.n
         self.n = 0
 
-    def __enter__(self) -> "Held":
+    def __enter__(self) -> Held:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -14,11 +14,22 @@ from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
 from services.jobs.broker import IdempotencyMismatch, JobTooLarge, QueueFull, QueueUnavailable
-from services.jobs.records import CANCELLED, FAILED, SUCCEEDED, TERMINAL, NewJob, new_id, public_view, request_digest, \
-    valid_id
+from services.jobs.records import (
+    CANCELLED,
+    FAILED,
+    SUCCEEDED,
+    TERMINAL,
+    NewJob,
+    new_id,
+    public_view,
+    request_digest,
+    valid_id,
+)
 from services.jobs.results import StreamedBody, inline_parts
 from services.jobs.service import JobsService
-from services.runtime.body import read_body  # 413 as soon as the size is known; a client gone mid-upload: ClientGone
+from services.runtime.edge.body import (
+    read_body,  # 413 as soon as the size is known; a client gone mid-upload: ClientGone
+)
 from services.runtime.errors import ApiError
 
 IDEMPOTENCY_KEY_RE = re.compile(r"[\x21-\x7e]{1,255}")  # fullmatch: no trailing newline

@@ -15,7 +15,8 @@ from services.jobs.broker import QueueUnavailable
 from services.jobs.records import DEAD, LIST_STATES, public_view, valid_id
 from services.jobs.service import JobsService
 from services.jobs.settings import LABEL_RE
-from services.runtime.body import parse_json, read_body
+from services.runtime.codecs.forms import parse_json
+from services.runtime.edge.body import read_body
 from services.runtime.errors import ApiError
 
 CURSOR_RE = re.compile(r"[0-9a-f:-]{1,80}")

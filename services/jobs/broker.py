@@ -22,8 +22,9 @@ from __future__ import annotations
 import abc
 import collections
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from services.jobs.policy import RetryPolicy
 from services.jobs.records import Delivery, NewJob, Outcome, Submitted
@@ -71,7 +72,7 @@ class ModelInfo:
                 "control_routes": self.control_routes}
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> "ModelInfo":
+    def from_json(cls, doc: dict[str, Any]) -> ModelInfo:
         routes, control = doc.get("routes"), doc.get("control_routes")
         return cls(str(doc["label"]), str(doc["service"]),
                    [str(r) for r in routes] if isinstance(routes, list) else None, numeric_limits(doc.get("limits")),
@@ -105,10 +106,10 @@ class Broker(abc.ABC):
             self._done_listener(job_id)
 
     # ---- lifecycle ----------------------------------------------------------------
-    async def start(self) -> None:
+    async def start(self) -> None:  # noqa: B027 - optional: a broker in memory has nothing to connect
         """Connect; raises QueueUnavailable when the backend cannot be reached."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional: a broker in memory holds no connection
         """Release connections."""
 
     async def ping(self) -> bool:

@@ -13,7 +13,8 @@ which adds new work, is refused.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 ALLOW_OOM, DENY_OOM, READ_ONLY = "allow-oom", "", "no-writes"
 

@@ -19,12 +19,26 @@ import json
 import os
 import re
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from services.jobs.broker import Broker, IdempotencyMismatch, ModelInfo, QueueFull
 from services.jobs.policy import RetryPolicy
-from services.jobs.records import (CANCELLED, DEAD, FAILED, LEVELS, NORMAL, QUEUED, RUNNING, TERMINAL, Delivery,
-                                   NewJob, Outcome, Submitted, error_doc)
+from services.jobs.records import (
+    CANCELLED,
+    DEAD,
+    FAILED,
+    LEVELS,
+    NORMAL,
+    QUEUED,
+    RUNNING,
+    TERMINAL,
+    Delivery,
+    NewJob,
+    Outcome,
+    Submitted,
+    error_doc,
+)
 from services.jobs.settings import QueueSettings
 
 CURSOR_RE = re.compile(r"([0-9]+):[0-9a-f]{32}")
@@ -53,7 +67,7 @@ class _Index:
 
     def page(self, after: int, limit: int) -> tuple[list[tuple[int, str]], bool]:
         i = bisect.bisect_right(self.seqs, after)
-        return list(zip(self.seqs[i:i + limit], self.ids[i:i + limit])), i + limit < len(self.seqs)
+        return list(zip(self.seqs[i:i + limit], self.ids[i:i + limit], strict=False)), i + limit < len(self.seqs)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -319,7 +333,7 @@ class MemoryBroker(Broker):
                     return []
                 try:
                     await asyncio.wait_for(self._cond.wait(), wait)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
             out: list[Delivery] = []
             for level in LEVELS:  # the highest level first; FIFO within a level

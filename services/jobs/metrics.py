@@ -1,4 +1,4 @@
-"""The jobs service's figures: Prometheus on /metrics, and the short ones on /stats.
+"""The jobs service's figures: on the shell's registry (/metrics), and the short ones on /stats.
 
 Stream figures (lag, pending, dead-lettered) belong to the queue, not to this process:
 they are read from the backend at each scrape, for the streams this unit consumes.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 STAGE_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200)
@@ -57,8 +57,8 @@ class _StreamCollector:
 
 
 class JobsMetrics:
-    def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry if registry is not None else CollectorRegistry()
         self.jobs = Counter("onecard_jobs", "Jobs by what happened to them on this unit (submitted here, "
                             "or finished, retried, dead-lettered by this unit's consumers).", ["state"], registry=r)
         self.stage = Histogram("onecard_jobs_stage_seconds", "Job time by stage: queued (submit to start of "
@@ -106,7 +106,7 @@ class JobsMetrics:
             return round(data[min(len(data) - 1, int(round(p * (len(data) - 1))))] * 1000, 2)
         return {"p50_ms": q(0.5), "p99_ms": q(0.99), "count": len(data)}
 
-    def exposition(self, streams: list[dict[str, Any]], refusals: dict[str, int], refusing: str | None) -> bytes:
+    def snapshot(self, streams: list[dict[str, Any]], refusals: dict[str, int], refusing: str | None) -> None:
+        """What the queue reports now, for the next scrape of the registry."""
         self.streams.snapshot = streams
         self.queue.refusals, self.queue.refusing = dict(refusals), refusing
-        return generate_latest(self.registry)

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.jobs.settings import valid_route
-from services.runtime.body import parse_json
+from services.runtime.codecs.forms import parse_json
 from services.runtime.errors import ApiError
 
 SERVICE_RE = r"^[a-z][a-z0-9_-]{0,31}$"  # pydantic's (Rust) regex: "$" is the very end

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import enum
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 BACKPRESSURE_CODES = frozenset({"overloaded", "not_ready", "queue_full"})
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 0.05, 30.0
@@ -99,5 +99,5 @@ class RetryPolicy:
         return Decision("retry", attempts, self.backoff(attempts))
 
     @classmethod
-    def from_settings(cls, queue) -> "RetryPolicy":
+    def from_settings(cls, queue) -> RetryPolicy:
         return cls(queue.max_attempts, queue.retry_backoff_s, queue.retry_backoff_max_s, queue.retry_jitter)

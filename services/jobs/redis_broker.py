@@ -20,7 +20,8 @@ import os
 import re
 import socket
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -28,8 +29,15 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError, ResponseError
 
 from services.jobs import redis_scripts as lua
-from services.jobs.broker import (Broker, IdempotencyMismatch, JobTooLarge, ModelInfo, QueueFull,
-                                  QueueRefusesWrites, QueueUnavailable)
+from services.jobs.broker import (
+    Broker,
+    IdempotencyMismatch,
+    JobTooLarge,
+    ModelInfo,
+    QueueFull,
+    QueueRefusesWrites,
+    QueueUnavailable,
+)
 from services.jobs.policy import RetryPolicy
 from services.jobs.records import LEVELS, NORMAL, NewJob, Submitted
 from services.jobs.redis_consume import RedisConsuming, _s, deadline
@@ -164,7 +172,7 @@ class RedisBroker(RedisConsuming, Broker):
                 self._refused(reason)
                 return reason
             return None
-        except (RedisError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, RedisError, OSError):
             return None  # not reachable: ping says so
         if self.refusal is not None:
             log.info("jobs: Redis takes writes again")
@@ -187,7 +195,7 @@ class RedisBroker(RedisConsuming, Broker):
     async def ping(self) -> bool:
         try:
             return bool(await asyncio.wait_for(self.r.ping(), 2))
-        except (RedisError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, RedisError, OSError):
             return False
 
     def describe(self) -> dict[str, Any]:
@@ -330,7 +338,7 @@ class RedisBroker(RedisConsuming, Broker):
                 pipe.hgetall(self.job_key(_s(member)))
             records = await pipe.execute() if page else []
         jobs, gone = [], []
-        for (member, _), raw in zip(page, records):
+        for (member, _), raw in zip(page, records, strict=False):
             if raw:
                 jobs.append({_s(k): _s(v) for k, v in raw.items()})
             else:

@@ -139,7 +139,7 @@ class RedisConsuming:
         next_due = await self._promote_due(label)
         wait = min(block_s, self.block_s, next_due if next_due is not None else block_s)
         if wait > 0:
-            await self.blocking.xread(dict(zip(streams, last)), count=1, block=max(1, int(wait * 1000)))
+            await self.blocking.xread(dict(zip(streams, last, strict=False)), count=1, block=max(1, int(wait * 1000)))
         if next_due is not None:
             await self._promote_due(label)
         return await self._group_read(label, count)
@@ -153,7 +153,8 @@ class RedisConsuming:
             stream = self.stream(label, level)
             job_id = _s(fields.get(b"id", b""))
             if not valid_id(job_id):
-                await self._call("DISCARD", {"stream": stream, "dead": self.dead_stream(label), "stats": self.stats_key},
+                keys = {"stream": stream, "dead": self.dead_stream(label), "stats": self.stats_key}
+                await self._call("DISCARD", keys,
                                  {"group": self.group, "entry": entry, "reason": "not a job entry",
                                   "now": repr(self.clock()), "dead_maxlen": self.settings.dead_letter_maxlen,
                                   "label": label})
@@ -190,7 +191,7 @@ class RedisConsuming:
         flags = await self._call("RENEW", {}, {"group": self.group, "consumer": self.consumer},
                                  extra_keys=keys, extra_args=args)
         names = {"1": "cancel", "lost": "lost"}
-        return {d.job_id: names.get(_s(flag), "ok") for d, flag in zip(deliveries, flags)}
+        return {d.job_id: names.get(_s(flag), "ok") for d, flag in zip(deliveries, flags, strict=False)}
 
     @deadline
     async def mark_solo(self, d: Delivery) -> bool:

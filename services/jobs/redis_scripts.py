@@ -288,7 +288,8 @@ return 'ok'
 """)
 
 # What a unit announces of its model, put back whenever it is missing (a Redis that lost its
-# data, a flush) or differs (the last unit to announce wins), with the model's consumer groups. The epoch marker is created once;
+# data, a flush) or differs (the last unit to announce wins), with the model's consumer groups.
+# The epoch marker is created once;
 # a unit that sees another epoch than the one it knew has seen Redis lose its data.
 ANNOUNCE = Script("ANNOUNCE", ("models", "epoch"), ("label", "info", "group", "epoch"), variadic=True, body="""
 local changed = 0  -- 1: the entry was missing; 2: another unit announced it otherwise (a mixed pool)

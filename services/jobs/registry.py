@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from services.jobs.broker import Broker, ModelInfo, QueueUnavailable
 from services.jobs.metrics import JobsMetrics

@@ -16,7 +16,8 @@ import asyncio
 import base64
 import json
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from starlette.responses import Response
 

@@ -10,8 +10,8 @@ import concurrent.futures.process
 import logging
 import multiprocessing
 import os
-from typing import Any, Callable
-
+from collections.abc import Callable
+from typing import Any
 
 from services.jobs.admission import SubmitBudget
 from services.jobs.broker import Broker, ModelInfo, QueueUnavailable
@@ -41,10 +41,10 @@ def make_broker(settings: JobsSettings, node: str, environ=os.environ) -> Broker
 
 
 class JobsService:
-    def __init__(self, name: str, settings: JobsSettings, environ=os.environ):
+    def __init__(self, name: str, settings: JobsSettings, environ=os.environ, registry=None):
         self.name, self.settings = name, settings
         self.node = settings.resolved_node_name()
-        self.metrics = JobsMetrics()
+        self.metrics = JobsMetrics(registry)
         self.broker = make_broker(settings, self.node, environ)
         self.broker.on_cancel(self._cancel_running)
         self.broker.on_done(self._job_done)
@@ -181,7 +181,7 @@ class JobsService:
                 return found
             try:
                 await asyncio.wait_for(ev.wait(), wait_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             return await self.broker.get(job_id)
         finally:

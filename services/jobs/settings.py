@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 import re
 from urllib.parse import urlsplit
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from services.runtime.settings import StartupConfigError
+from services.runtime.settings import ServiceSettings, StartupConfigError
 
 # always with fullmatch: with match, "$" also matches before a trailing newline
 LABEL_RE = re.compile(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+/[A-Za-z0-9_.+-]+")
@@ -67,7 +68,8 @@ class QueueSettings(_Strict):
                                         description="a running job whose unit stopped renewing it is re-run after this")
     max_attempts: int = Field(3, ge=1, le=100, description="runs that ended in a 5xx, a timeout or a lost unit; "
                               "then the job fails and goes to the dead-letter stream")
-    idempotency_ttl_s: float = Field(86400.0, gt=0, le=30 * 86400, description="how long an Idempotency-Key is remembered")
+    idempotency_ttl_s: float = Field(86400.0, gt=0, le=30 * 86400,
+                                     description="how long an Idempotency-Key is remembered")
     prefix: str = Field("onecard:jobs", pattern=r"^[A-Za-z0-9_:.-]{1,64}$", description="key prefix in Redis")
     group: str = Field("onecard", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="consumer group on every stream")
     dead_letter_maxlen: int = Field(10_000, ge=1, description="dead-letter entries kept per stream (approximate trim)")
@@ -156,13 +158,16 @@ class TargetSettings(_Strict):
         return v
 
 
-class JobsSettings(_Strict):
+class JobsSettings(ServiceSettings):
+    """The jobs service's own keys; the edge's limits, auth and health come from ServiceSettings."""
+
     queue: QueueSettings = Field(default_factory=QueueSettings)
     targets: dict[str, str | TargetSettings] = Field(
         default_factory=dict, description="local services by name: a URL or a table (url, model_label, ...)")
     consume: bool = Field(True, description="run jobs on this unit's services (false: an API-only unit)")
     node_name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,128}$",
-                                  description="this unit's name in job states (default: $ONECARD_NODE_NAME from [services.jobs.env], "
+                                  description="this unit's name in job states (default: $ONECARD_NODE_NAME from "
+                                  "[services.jobs.env], "
                                   "$HOSTNAME, the host name)")
     accept_models: list[str] = Field(default_factory=list, description="model labels accepted at submit before "
                                      "any unit has announced them (units scaled to zero)")
@@ -194,23 +199,6 @@ class JobsSettings(_Strict):
     result_send_timeout_s: float = Field(30.0, gt=0, le=3600, allow_inf_nan=False, description="a client that "
                                          "reads no part of a result for this long is cut off")
     max_list_limit: int = Field(500, ge=1, le=10_000, description="most jobs in one page of GET /v1/jobs")
-    # the connection limits every onecard service applies (services.runtime.serve reads them)
-
-    # ---- connections and protocol ------------------------------------------------------
-    max_connections: int = Field(512, ge=1, le=1_000_000,
-                                 description="open client connections; beyond, new ones get 503 and are closed")
-    max_header_bytes: int = Field(16 * 1024, ge=1024, le=2**20,
-                                  description="request line plus headers; beyond: 431 and the connection is closed")
-    header_timeout_s: float = Field(10.0, gt=0, le=3600, allow_inf_nan=False,
-                                    description="time to receive a request's line and headers once it started; then 408")
-    body_timeout_s: float = Field(60.0, gt=0, le=3600, allow_inf_nan=False,
-                                  description="time to receive a whole request body; then 408")
-    keepalive_timeout_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False,
-                                       description="an idle kept-alive connection is closed after this")
-    loop_stall_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False,
-                                description="/healthz fails when the event loop has not run for this long")
-    api_key: str | None = Field(None, description="require this key (Bearer or X-API-Key)")
-    api_key_env: str | None = Field(None, description="...or read the key from this environment variable")
 
     @field_validator("accept_models")
     @classmethod
@@ -229,7 +217,7 @@ class JobsSettings(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _defaults_are_labels(self) -> "JobsSettings":
+    def _defaults_are_labels(self) -> JobsSettings:
         for service, label in self.default_models.items():
             if not LABEL_RE.fullmatch(label) or label.split("/", 1)[0] != service:
                 raise ValueError(f"default_models.{service}: expected '{service}/backend/model', got {label!r}")
@@ -243,13 +231,6 @@ class JobsSettings(_Strict):
         if t is None:
             return TargetSettings()
         return TargetSettings(url=t) if isinstance(t, str) else t
-
-    def resolved_api_key(self) -> str | None:
-        if self.api_key:
-            return self.api_key
-        if self.api_key_env:
-            return os.environ.get(self.api_key_env) or None
-        return None
 
     def resolved_node_name(self) -> str:
         import socket

@@ -206,7 +206,7 @@ class Target:
                     if len(buf) > limit:  # an answer without Content-Length: stop reading at the limit
                         raise ResultTooLarge(f"{self.name} answered over max_result_bytes ({limit})")
                 return Answer(resp.status, {k.lower(): v for k, v in resp.headers.items()}, bytes(buf))
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise TargetTimeout(f"{self.name}: no answer in time") from exc
         except aiohttp.ClientConnectorError as exc:
             raise TargetNotSent(f"{self.name}: {exc!r}") from exc

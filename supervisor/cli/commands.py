@@ -1,4 +1,4 @@
-"""The `onecard` command: run, check, status, stop, and `jobs redrive`.
+"""The `onecard` command: run, check, status, stop, `jobs redrive` and `new-service`.
 
 Every command finds its config the same way (config/location.py): ``--config``, else
 ``$ONECARD_CONFIG``, else the default that ships in the package; nothing depends on the
@@ -165,6 +165,25 @@ def stop(
     1 still running after --timeout, 2 no supervisor."""
     from supervisor.cli import status as st
     raise typer.Exit(st.stop(socket, config, wait, timeout))
+
+
+@app.command("new-service")
+def new_service(
+    name: str = typer.Argument(..., help="the service's name: lower-case letters, digits and '_'"),
+    directory: Optional[str] = typer.Option(None, "--dir", help="where to write it (default ./NAME; new or empty)"),
+    route: Optional[str] = typer.Option(None, "--route", help="its route (default /api/v1/NAME)"),
+) -> None:
+    """Write a working service skeleton: its module and settings, a test that starts it and
+    sends a picture, and the block for the unit's config (docs/services/writing-a-service.md)."""
+    from onecard.scaffold import write_service  # standard library only: the CLI stays fast
+
+    try:
+        files = write_service(name, directory, route)
+    except (ValueError, FileExistsError) as exc:
+        typer.echo(f"onecard new-service: {exc}", err=True)
+        raise typer.Exit(2) from None
+    for path in files:
+        typer.echo(str(path))
 
 
 jobs_app = typer.Typer(no_args_is_help=True, help="The jobs queue, through a unit's jobs API.")

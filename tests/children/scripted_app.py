@@ -24,13 +24,13 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from services.runtime.app import ServiceContext, create_service_app
-from services.runtime.backend import Backend
+import onecard
+from services.runtime.codecs.params import Bool, Float, Int, Params, Str
 from services.runtime.errors import ApiError
-from services.runtime.inputs import read_image_input
-from services.runtime.params import Bool, Float, Int, Params, Str
-from services.runtime.pipeline import ModelRoute, Work, json_reply
-from services.runtime.settings import RuntimeSettings
+from services.runtime.pipeline.backend import Backend
+from services.runtime.pipeline.model_routes import ModelRoute, Work, json_reply
+from services.runtime.pipeline.settings import ModelServiceSettings
+from services.runtime.shell.model_part import model_service_app
 
 
 class EchoParams(Params):
@@ -123,28 +123,30 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
     warmup_sleep_s = float(settings.pop("warmup_sleep_s", 0.0))
     fail_load = bool(settings.pop("fail_load", False))
     memory_per_pixel = float(settings.pop("memory_per_pixel", 0.0))
-    cfg = RuntimeSettings.model_validate(settings)
+    cfg = ModelServiceSettings.model_validate(settings)
     backend = ScriptedBackend(batching, warmup_sleep_s, fail_load)
     backend.memory_per_pixel = memory_per_pixel
 
     def decode(raw) -> Work:
-        got = read_image_input(raw, cfg, params=EchoParams)
-        p = got.params
+        request = onecard.Request(raw, cfg, ("image",), EchoParams)  # the input forms, as every service reads them
+        p = request.params()
+        request.image()
+        header = request.image_header()
         if p.mode == "boom":
             raise KeyError("unexpected")
         if p.decode_sleep:
             time.sleep(p.decode_sleep)
         items = [EchoItem(p.id if p.items == 1 else f"{p.id}.{n}", p.sleep, p.mode,
-                          threading.Event() if p.cancellable else None, got.image.width * got.image.height)
+                          threading.Event() if p.cancellable else None, header.pixels)
                  for n in range(p.items)]
-        return Work(items, p.key or None, got.image.width)
+        return Work(items, p.key or None, header.width)
 
     def encode(work: Work, results: list[Any], raw) -> Any:
         out = results[0] if len(results) == 1 else {"id": [r["id"] for r in results], "batch": results[0]["batch"]}
         return json_reply({**out, "width": work.state})
 
-    def add_routes(app: FastAPI, ctx: ServiceContext) -> None:
-        ctx.pipeline.add(app, ModelRoute("/api/v1/echo", decode, encode, summary="echo"))
+    def add_routes(app: FastAPI, part, shell) -> None:
+        part.pipeline.add(app, ModelRoute("/api/v1/echo", decode, encode, summary="echo"))
 
         @app.get("/block")
         async def block(s: float = 1.0):
@@ -157,4 +159,4 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
             return {"seen": r.seen, "batches": r.batches, "stopped": r.stopped, "warmups": r.warmups,
                     "freed": r.freed}
 
-    return create_service_app("scripted", cfg, backend, add_routes, title="scripted")
+    return model_service_app("scripted", cfg, backend, add_routes, title="scripted")

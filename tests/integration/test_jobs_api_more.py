@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from tests.harness import ROOT
-from tests.jobs_harness import TARGET_APP, Unit, start_units
+from tests.jobs_harness import TARGET_APP, Unit, error_of, start_units
 from tests.redis_server import RedisServer
 
 WORK = "/api/v1/work"
@@ -210,3 +210,24 @@ def test_a_big_submit_is_checked_in_a_helper_process_with_the_same_answers(unit)
     assert done["state"] == "succeeded" and done["result"]["tag"] == "big-submit"
     assert len(done["result"]["pad"]) == 3 * 2**20
     assert psutil.Process(unit.jobs.proc.pid).children(), "no helper process"
+
+
+def test_the_jobs_api_takes_http_basic_and_slows_down_guessing(tmp_path):
+    """The jobs service stands on the same shell: HTTP Basic besides the key, and the failure
+    limiter in front of both."""
+    pairs = tmp_path / "pairs"
+    pairs.write_text("ops:pa55word\n")
+    unit = Unit(tmp_path, "auth", targets={}, basic_auth_file=str(pairs), auth_max_failures=2)
+    unit.start()
+    try:
+        unit.jobs.wait_ready()
+        job = "/v1/jobs/" + "0" * 32  # no such job: a 404 once the credentials pass
+        assert unit.api.get(job).status_code == 401
+        r = unit.api.get(job, auth=("ops", "pa55word"))
+        assert r.status_code == 404 and error_of(r)["code"] == "job_not_found"
+        assert [unit.api.get(job, auth=("ops", "nope")).status_code for _ in range(2)] == [401, 401]
+        locked = unit.api.get(job, auth=("ops", "pa55word"))
+        assert locked.status_code == 429 and locked.json()["error"]["code"] == "too_many_auth_failures"
+        assert unit.api.get("/healthz").status_code == 200
+    finally:
+        unit.kill()

@@ -1,4 +1,4 @@
-"""The service's own probe listener (services.runtime.probes) cannot be starved: idle
+"""The service's own probe listener (services.runtime.edge.probe_listener) cannot be starved: idle
 holders are closed at a short deadline and give up their slot to a newcomer, so a probe
 is answered however many of them come and go; malformed probe requests get their 4xx
 in the JSON envelope. On real sockets, unix and TCP, and on a real service's socket."""
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from services.runtime.probes import MAX_REQUEST, ProbeServer, json_route
+from services.runtime.edge.probe_listener import MAX_REQUEST, ProbeServer, json_route
 from tests.harness import free_port
 from tests.service_harness import ServiceProcess, probe
 

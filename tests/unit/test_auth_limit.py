@@ -3,8 +3,8 @@ address, the wait it announces, and a bounded table."""
 
 from __future__ import annotations
 
-from services.runtime.auth import Credentials
-from services.runtime.auth_limit import FailureLimiter
+from services.runtime.edge.credentials import Credentials
+from services.runtime.edge.auth_failures import FailureLimiter
 
 
 class Clock:

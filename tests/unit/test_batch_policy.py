@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.runtime.batching import BatchPolicy
-from services.runtime.costmodel import BatchCurve
+from services.runtime.pipeline.batch_policy import BatchPolicy
+from services.runtime.pipeline.cost_curves import BatchCurve
 
 SD = (0.643, 0.0644)        # H100, SD-1.5 img2img fp16 512x512: A + B(b - 1)
 DETECT = (0.008, 0.0015)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.runtime import gpu
+from services.runtime.device import gpu
 
 
 class FakeSession:

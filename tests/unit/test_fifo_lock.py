@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.runtime.fifo import FifoLock
+from services.runtime.pipeline.fifo_lock import FifoLock
 
 
 class WakeThenReleaseLock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.runtime.incoming import Incoming
+from services.runtime.pipeline.incoming import Incoming
 
 
 def closed_loop(incoming: Incoming, connections: int, rounds: int, gap: float = 0.002) -> float:

@@ -1,12 +1,12 @@
 """The JPEG marker walk on hand-built byte strings: what counts as a segment and a scan,
 where the walk stops, and the exact limits (docs/mutation-testing.md lists the mutants
-these were written against). Real encoder output is in test_codec_and_params.py."""
+these were written against). Real encoder output is in test_picture_codec.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.runtime.jpeg import JpegLimitError, JpegShape, walk
+from services.runtime.codecs.jpeg import JpegLimitError, JpegShape, walk
 
 SOI, EOI = b"\xff\xd8", b"\xff\xd9"
 

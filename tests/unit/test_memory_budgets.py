@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from services.runtime import memory
-from services.runtime.budget import Charge, HeldMemory, plan_budgets, service_memory
-from services.runtime.cost import RequestCost, ServiceCost
+from common import hostmemory as memory
+from services.runtime.pipeline.budgets import Charge, HeldMemory, plan_budgets, service_memory
+from services.runtime.pipeline.cost import RequestCost, ServiceCost
 from services.runtime.errors import ApiError
 
 GIB = 2**30

@@ -122,7 +122,7 @@ def test_plan_passes_budgets_and_mps_to_children():
 
 
 def test_service_side_budget_from_the_plan(monkeypatch):
-    from services.runtime.gpu import budget_bytes
+    from services.runtime.device.gpu import budget_bytes
     monkeypatch.delenv("ONECARD_GPU_MEMORY_BYTES", raising=False)
     monkeypatch.setenv("ONECARD_GPU_MEMORY_FRACTION", "0.25")
     assert budget_bytes(total=8000) == 2000

@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from services.img2img.webui_routes import _server_errors_in_webui_shape
-from services.runtime.errors import install_error_handlers
+from services.runtime.shell.error_handlers import install_error_handlers
 
 
 def test_server_errors_on_sdapi_paths_take_the_webui_shape(caplog):

@@ -1,0 +1,52 @@
+"""base64 in and out of JSON answers and bodies, in slices so that a big picture never holds
+the GIL (and with it the event loop and the probes) for long."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any
+
+from services.runtime.errors import ApiError
+
+B64_CHUNK = 3 << 18      # base64 work in 768 kB slices: each holds the GIL for a few milliseconds only
+
+_WHITESPACE = str.maketrans("", "", " \t\r\n")
+
+
+def decode_base64(text: Any, name: str, max_bytes: int | None = None) -> bytes:
+    """A base64 field (a data: URL prefix and MIME line breaks are allowed, as webui clients
+    send them); 422 when not a string, 400 when garbled. Decoded in slices so that a big
+    field never holds the GIL (and with it the event loop) for long."""
+    if not isinstance(text, str):
+        raise ApiError(422, "invalid_parameter", f"{name}: expected a base64 string")
+    if text.startswith("data:"):
+        text = text.partition(",")[2]
+    if max_bytes is not None and len(text) * 3 // 4 > max_bytes + 3 * (len(text) // 76 + 1):
+        raise ApiError(413, "body_too_large", f"{name}: over the limit of {max_bytes} bytes")
+    if any(c in text for c in " \t\r\n"):
+        text = "".join(text[i:i + B64_CHUNK].translate(_WHITESPACE) for i in range(0, len(text), B64_CHUNK))
+    if max_bytes is not None and len(text) * 3 // 4 > max_bytes:
+        raise ApiError(413, "body_too_large", f"{name}: over the limit of {max_bytes} bytes")
+    if len(text) % 4:
+        raise ApiError(400, "bad_base64", f"{name}: not valid base64")
+    step = B64_CHUNK // 3 * 4
+    try:
+        if len(text) <= step:
+            return binascii.a2b_base64(text, strict_mode=True)
+        return b"".join(binascii.a2b_base64(text[i:i + step], strict_mode=True) for i in range(0, len(text), step))
+    except (binascii.Error, ValueError):
+        raise ApiError(400, "bad_base64", f"{name}: not valid base64") from None
+
+
+class Base64Text(str):
+    """base64 text we produced: JSON answers splice it in as it is (no escaping can be needed),
+    instead of json.dumps scanning tens of megabytes with the GIL held."""
+
+
+def encode_base64(data: bytes) -> Base64Text:
+    """base64 text of `data`, in slices (see decode_base64)."""
+    if len(data) <= B64_CHUNK:
+        return Base64Text(base64.b64encode(data).decode("ascii"))
+    return Base64Text("".join(base64.b64encode(data[i:i + B64_CHUNK]).decode("ascii")
+                              for i in range(0, len(data), B64_CHUNK)))

@@ -1,0 +1,199 @@
+"""Images in and out, with the cost of a decode bounded by limits checked before it.
+
+Only JPEG, PNG, WebP and BMP are opened (415 for anything else, so that no exotic
+decoder ever sees a caller's bytes). ``probe_image`` reads what a request will cost from
+the header alone: dimensions (413 for a pixel bomb), and the structure a decoder would
+walk (JPEG scans and segments, PNG chunks: 413 for a scan or chunk bomb); the caller
+states the cost (cost.py) and only then ``decode_image`` decodes. Decoding is OpenCV's
+(libjpeg-turbo, libpng, libwebp in C, which release the GIL for the whole decode, so the
+event loop and the probes stay prompt while big pictures decode in the CPU pool);
+Pillow reads headers and EXIF. A JPEG that the model will shrink anyway is decoded at
+reduced scale (DCT scaling), for a fraction of the cost. EXIF orientation is applied, so
+pixels are as the camera meant them. Everything here is CPU work: the runtime calls it in
+its executor, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import cv2
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from services.runtime.codecs import jpeg
+from services.runtime.codecs import png_bmp as formats
+from services.runtime.codecs.encoder_limits import check_encodable
+from services.runtime.errors import ApiError
+
+ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP")
+OUTPUT_FORMATS = {"png": ("PNG", "image/png"), "jpeg": ("JPEG", "image/jpeg"), "webp": ("WEBP", "image/webp")}
+MIME_TO_FORMAT = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg", "image/webp": "webp"}
+# our own pixel check runs first; PIL's must not raise a different error for the same thing
+Image.MAX_IMAGE_PIXELS = None
+# a caller's broken file is a 400, not a line in the service's log (a flood of them would be a log flood)
+cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
+_SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"BM")
+_REDUCED = {2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4, 8: cv2.IMREAD_REDUCED_COLOR_8}
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    max_pixels: int
+    max_jpeg_scans: int = 32
+    max_image_markers: int = 512
+
+
+@dataclass(frozen=True)
+class ImageHeader:
+    """What a picture will cost, read without decoding it."""
+    format: str
+    width: int           # as oriented (EXIF applied)
+    height: int
+    orientation: int = 1
+
+    @property
+    def pixels(self) -> int:
+        return self.width * self.height
+
+
+@dataclass
+class DecodedImage:
+    rgb: np.ndarray      # H x W x 3, uint8; possibly reduced (see scale)
+    width: int           # the image's size as oriented, before any reduction
+    height: int
+    format: str
+    scale: float = 1.0   # rgb width / width: < 1 when decoded at reduced scale
+
+
+def _looks_allowed(data: bytes) -> bool:
+    return data.startswith(_SIGNATURES) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP")
+
+
+def probe_image(data: bytes, limits: DecodeLimits) -> ImageHeader:
+    """Format, size and orientation from the header; 413 for what would cost too much to decode."""
+    if not data:
+        raise ApiError(400, "empty_image", "the image is empty")
+    try:
+        if data[:2] == b"\xff\xd8":
+            jpeg.walk(data, limits.max_jpeg_scans, limits.max_image_markers)
+        elif data[:8] == formats.PNG_SIGNATURE:
+            formats.walk_png(data, limits.max_image_markers)
+    except (jpeg.JpegLimitError, formats.FormatLimitError) as exc:
+        raise ApiError(413, "image_too_complex", f"{exc}: decoding it would cost too much") from None
+    try:
+        im = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
+    except UnidentifiedImageError:
+        if _looks_allowed(data):  # the right magic bytes, broken inside
+            raise ApiError(400, "corrupt_image", "the image header is corrupt") from None
+        raise ApiError(415, "unsupported_image", f"not an image in one of {', '.join(ALLOWED_FORMATS)}") from None
+    except Exception as exc:  # noqa: BLE001 - any decoder failure is the caller's bad data
+        raise ApiError(400, "corrupt_image", f"cannot read the image header: {exc}") from None
+    with im:
+        width, height = im.size
+        if width <= 0 or height <= 0:
+            raise ApiError(400, "corrupt_image", "the image has no pixels")
+        if width * height > limits.max_pixels:
+            raise ApiError(413, "too_many_pixels",
+                           f"{width}x{height} = {width * height} pixels is over the limit of {limits.max_pixels}")
+        try:
+            orientation = int(im.getexif().get(0x0112, 1))
+        except Exception:  # noqa: BLE001 - a broken EXIF block is not worth refusing the image for
+            orientation = 1
+        fmt = im.format or ""
+    if orientation not in range(1, 9):
+        orientation = 1
+    if orientation in (5, 6, 7, 8):
+        width, height = height, width
+    return ImageHeader(fmt, width, height, orientation)
+
+
+def reduction_for(header: ImageHeader, max_side: int | None) -> int:
+    """The DCT reduction (1, 2, 4, 8) a JPEG can be decoded at and still have max_side on its long side."""
+    if header.format != "JPEG" or not max_side:
+        return 1
+    factor = 1
+    while factor < 8 and max(header.width, header.height) >= 2 * factor * max_side:
+        factor *= 2
+    return factor
+
+
+_ORIENT = {
+    2: lambda a: a[:, ::-1],
+    3: lambda a: a[::-1, ::-1],
+    4: lambda a: a[::-1],
+    5: lambda a: a.transpose(1, 0, 2),
+    6: lambda a: np.rot90(a, 3),
+    7: lambda a: np.rot90(a, 2).transpose(1, 0, 2),
+    8: lambda a: np.rot90(a, 1),
+}
+
+
+def _orient(rgb: np.ndarray, orientation: int) -> np.ndarray:
+    """EXIF orientation 2..8 as flips and quarter turns, as PIL's exif_transpose does."""
+    turn = _ORIENT.get(orientation)
+    return rgb if turn is None else np.ascontiguousarray(turn(rgb))
+
+
+def _decode_pillow(data: bytes, header: ImageHeader) -> np.ndarray:
+    im = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
+    im.load()
+    if header.orientation != 1:
+        im = ImageOps.exif_transpose(im)
+    return np.asarray(im if im.mode == "RGB" else im.convert("RGB"))
+
+
+def decode_probed(data: bytes, header: ImageHeader, max_side: int | None = None) -> DecodedImage:
+    """Decode a picture whose header was probed (and whose cost was accepted)."""
+    factor = reduction_for(header, max_side)
+    flags = (_REDUCED[factor] if factor > 1 else cv2.IMREAD_COLOR) | cv2.IMREAD_IGNORE_ORIENTATION
+    try:
+        bgr = cv2.imdecode(np.frombuffer(data, np.uint8), flags)
+        if bgr is not None:
+            rgb = _orient(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB), header.orientation)
+        elif formats.bmp_compression(data):  # Pillow's RLE decoder is pure Python: no second try
+            raise ApiError(400, "corrupt_image", "cannot decode the BMP image")
+        else:  # what OpenCV cannot read (some rare variants), Pillow may: the cost was bounded above
+            rgb = _decode_pillow(data, header)
+    except ApiError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise ApiError(400, "corrupt_image", f"cannot decode the image: {str(exc)[:200]}") from None
+    if rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.size == 0:
+        raise ApiError(400, "corrupt_image", "cannot decode the image")
+    return DecodedImage(rgb, header.width, header.height, header.format, rgb.shape[1] / header.width)
+
+
+def decode_image(data: bytes, limits: DecodeLimits, max_side: int | None = None) -> DecodedImage:
+    """Probe and decode, within limits; `max_side` lets a JPEG decode at reduced scale (never
+    below max_side on its long side: the caller resizes the rest of the way). Callers that
+    must state the cost first use probe_image, then decode_probed."""
+    return decode_probed(data, probe_image(data, limits), max_side)
+
+
+def choose_format(asked: str | None, accept: str, default: str = "png") -> str:
+    """The output format: the one asked for, else the first image type Accept names."""
+    if asked:
+        return asked
+    for item in accept.split(","):
+        mime = item.split(";", 1)[0].strip().lower()
+        if mime in MIME_TO_FORMAT:
+            return MIME_TO_FORMAT[mime]
+    return default
+
+
+def encode_image(rgb: np.ndarray, fmt: str, quality: int | None = None) -> tuple[bytes, str]:
+    """Encoder settings favour speed: PNG at the lowest compression level, WebP at its
+    fastest method; JPEG quality 90 unless asked."""
+    pil_fmt, mime = OUTPUT_FORMATS[fmt]
+    check_encodable(rgb.shape[1], rgb.shape[0], fmt)
+    if pil_fmt in ("PNG", "JPEG"):  # OpenCV's encoders release the GIL for the whole picture
+        params = [cv2.IMWRITE_PNG_COMPRESSION, 1] if pil_fmt == "PNG" else [cv2.IMWRITE_JPEG_QUALITY, quality or 90]
+        ok, out = cv2.imencode(".png" if pil_fmt == "PNG" else ".jpg", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR), params)
+        if not ok:
+            raise RuntimeError(f"cannot encode a {rgb.shape[1]}x{rgb.shape[0]} picture as {fmt}")
+        return out.tobytes(), mime
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format=pil_fmt, quality=quality or 85, method=0)
+    return buf.getvalue(), mime

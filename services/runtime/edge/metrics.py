@@ -1,0 +1,35 @@
+"""Counters of the HTTP edge that services.runtime.shell.metrics does not list: send deadlines,
+pipelining and framing refusals, sockets reset with an unread answer, credential failures.
+Registered by services.runtime.serve on the service's registry; every figure is a plain
+int written on the event loop and read here (in the probe thread too) without a lock."""
+
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+class EdgeCollector:
+    def __init__(self, stats, limiter, linger):
+        self.stats, self.limiter, self.linger = stats, limiter, linger
+
+    def collect(self):
+        for name, value, text in (
+                ("onecard_send_timeouts", self.stats.send_timeouts,
+                 "Connections reset because the client took none of its answer for send_timeout_s."),
+                ("onecard_pipelined_requests_refused", self.stats.pipeline_refused,
+                 "Requests refused (429) beyond max_pipelined_requests on one connection."),
+                ("onecard_request_framing_too_large", self.stats.framing_too_large,
+                 "Requests whose body framing took over twice max_body_bytes on the wire (413)."),
+                ("onecard_unread_answers_reset", self.linger.reset_total,
+                 "Closed connections reset because their answer stayed unread in the kernel."),
+                ("onecard_auth_failures", self.limiter.failures_total,
+                 "Requests that presented a credential and were answered 401."),
+                ("onecard_auth_rate_limited", self.limiter.refused_total,
+                 "Requests refused (429) because their address failed auth_max_failures times.")):
+            fam = CounterMetricFamily(name, text)
+            fam.add_metric([], value)
+            yield fam
+        gauge = GaugeMetricFamily("onecard_unread_answer_sockets",
+                                  "Closed connections whose answer is still draining from the kernel.")
+        gauge.add_metric([], self.linger.count)
+        yield gauge

@@ -1,0 +1,377 @@
+"""uvicorn's httptools protocol with the limits uvicorn does not have.
+
+uvicorn caps neither the connections it holds open, nor the size of a request's
+headers as they arrive, nor the time a client may take to send them or to read its
+answer: its keep-alive timer is reset by every byte, so a client trickling one byte at
+a time holds a connection forever (uvicorn issue 157). Here, per connection:
+
+- beyond ``max_connections`` open connections a new one gets 503 and is closed (after a
+  short, bounded linger so that the client reads the 503): at most twice max_connections
+  client sockets exist, never descriptor exhaustion;
+- the bytes of a request head are counted as they arrive, not when the parser has
+  finished a header: past ``max_header_bytes`` (or ``max_header_count`` fields) 431
+  within one read, however the head is cut (one endless header value, an endless URL,
+  endless blank lines);
+- a request must arrive within deadlines: its head within ``header_timeout_s``, its body
+  within ``body_timeout_s`` of the head; else 408 and the connection is closed. A
+  deadline runs only while the request is the client's to send: a request pipelined
+  behind one being answered gets its deadline when the earlier answers are out, and
+  an error about it is written after them, never in their place;
+- at most ``max_pipelined_requests`` wait behind the one being answered: the next gets
+  429 after the earlier answers, and the connection is closed;
+- a body's framing (chunk sizes, chunk extensions) cannot make the service read much
+  more than the body limit: 413 past twice ``max_body_bytes``;
+- an answer the client does not take is reset after ``send_timeout_s`` without progress
+  (services.runtime.edge.send_deadline);
+- a request uvicorn cannot parse gets 400 in the JSON error envelope, not plain text;
+  a client that half-closes before its request is complete gets 400 too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from services.runtime.edge.connection_limits import ConnectionLimits, ConnectionStats, error_bytes
+from services.runtime.edge.send_deadline import KernelQueueLinger, SendWatch, reset
+
+__all__ = ["ConnectionLimits", "ConnectionStats", "error_bytes", "guarded_protocol"]
+
+log = logging.getLogger("onecard.service")
+
+
+LINGER_S = 1.0
+MAX_LINGERING = 1024
+_lingering = [0]  # refused connections still draining, across the process (event loop thread only)
+
+IDLE, HEAD, BODY = "idle", "head", "body"  # where the parser is in the latest request
+
+
+class _Refusal(Exception):
+    """Raised from a parser callback: stop parsing, answer ``status`` (after earlier answers)."""
+
+    def __init__(self, status: int, code: str, message: str, counter: str):
+        super().__init__(message)
+        self.status, self.code, self.message, self.counter = status, code, message, counter
+
+
+def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = ConnectionStats,
+                     linger: KernelQueueLinger | None = None) -> type:
+    """A protocol class for uvicorn's ``http=`` setting, bound to these limits."""
+    if linger is None:
+        linger = KernelQueueLinger(limits.send_timeout_s, limits.max_connections)
+
+    def too_large(what: str) -> _Refusal:
+        return _Refusal(431, "headers_too_large", what, "headers_too_large")
+
+    class GuardedHttpProtocol(HttpToolsProtocol):
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            self._refused = False
+            self._lingers = False
+            self._deadline: asyncio.TimerHandle | None = None
+            self._deadline_for: tuple[str, int] | None = None
+            self._phase = IDLE
+            self._message_no = 0       # requests begun on this connection
+            self._waiting_bytes = 0    # bytes read towards the next request's head
+            self._head_bytes = 0       # URL and finished headers of the head being parsed
+            self._header_count = 0
+            self._body_bytes = 0       # bytes read while in this request's body
+            self._heads_in_read = 0    # heads finished during the current read
+            self._active = None        # the cycle being answered
+            self._pending_error: tuple[int, str, str] | None = None
+            self._broken = False       # no more parsing on this connection
+            self._was_reset = False
+            self._send_watch: SendWatch | None = None
+
+        # ---- connections ------------------------------------------------------------
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            if len(self.connections) >= limits.max_connections:
+                self._refuse(transport)
+                return
+            super().connection_made(transport)
+            self._send_watch = SendWatch(self.loop, transport, limits.send_timeout_s, self._on_send_stuck)
+            self._update_receive_deadline()
+
+        def _refuse(self, transport: asyncio.Transport) -> None:
+            """503, then a lingering close: half-close, drain what the client sends, close on
+            its EOF or after LINGER_S. Closing with unread data would send a reset that
+            destroys the 503 before the client reads it. Bounded: past MAX_LINGERING
+            refused connections, close at once."""
+            self._refused = True
+            self.transport = transport
+            stats.refused += 1
+            transport.write(error_bytes(503, "too_many_connections",
+                                        f"the service holds {limits.max_connections} connections; retry later",
+                                        b"retry-after: 1\r\n"))
+            if _lingering[0] >= min(MAX_LINGERING, limits.max_connections) or not transport.can_write_eof():
+                transport.close()
+                return
+            _lingering[0] += 1
+            self._lingers = True
+            transport.write_eof()
+            self._deadline = self.loop.call_later(LINGER_S, transport.close)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            if self._refused:
+                if self._lingers:
+                    self._lingers = False
+                    _lingering[0] -= 1
+                return
+            if self._send_watch is not None:
+                self._send_watch.stop()
+            if exc is None and not self._was_reset:
+                sock = self.transport.get_extra_info("socket")
+                if sock is not None:
+                    linger.adopt(self.loop, sock)
+            super().connection_lost(exc)
+
+        def eof_received(self) -> bool | None:
+            if self._refused:
+                self.transport.close()
+                return None
+            # A client that closes its side in the middle of a request will never finish it:
+            # say so (it may still read) rather than close without a word.
+            if not self._broken and self._incomplete_request() and not self._earlier_answers_pending():
+                self._fail(400, "incomplete_request", "the client closed its side before the request was complete")
+            return None  # asyncio closes the connection; a running request sees a disconnect
+
+        def _incomplete_request(self) -> bool:
+            if self._phase == HEAD or (self._phase == IDLE and self._waiting_bytes > 0):
+                return True
+            return self._phase == BODY and self.cycle is not None and not self.cycle.response_started
+
+        # ---- answers: the send deadline and the order of answers ----------------------
+        def pause_writing(self) -> None:
+            if self._send_watch is None:
+                return  # a refused connection: its 503 is all it gets, closed within LINGER_S
+            super().pause_writing()
+            self._send_watch.start()
+
+        def resume_writing(self) -> None:
+            if self._send_watch is None:
+                return
+            super().resume_writing()
+            self._send_watch.stop()
+
+        def _on_send_stuck(self) -> None:
+            stats.send_timeouts += 1
+            self._was_reset = True
+            self._disarm()
+            reset(self.transport)  # connection_lost tells the app: its send returns at once
+
+        def on_response_complete(self) -> None:
+            if self.pipeline and not self.transport.is_closing():
+                self._active = self.pipeline[-1][0]  # the one uvicorn starts now
+            super().on_response_complete()
+            if self.transport.is_closing():
+                return
+            if self._pending_error is not None and not self._earlier_answers_pending():
+                self._unset_keepalive_if_required()
+                status, code, message = self._pending_error
+                self._pending_error = None
+                self._write_error_and_close(status, code, message)
+                return
+            self._update_receive_deadline()
+
+        def _earlier_answers_pending(self) -> bool:
+            """Are answers to requests before the one being read still to be written?"""
+            current = self.cycle if self._phase == BODY else None
+            cycles = [self._active] + [c for c, _ in self.pipeline]
+            return any(c is not None and c is not current and not c.response_complete for c in cycles)
+
+        # ---- reading ------------------------------------------------------------------
+        def data_received(self, data: bytes) -> None:
+            if self._refused or self._broken:
+                return  # drained and dropped: a refusal lingers, or an error is on its way
+            self._unset_keepalive_if_required()
+            phase_before, message_before = self._phase, self._message_no
+            self._heads_in_read = 0
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserUpgrade:
+                # the parser stops at an upgrade; the request itself is answered (ignoring the
+                # upgrade, as RFC 9110 lets a server do), then the connection is closed
+                self._broken = True
+                if self.cycle is not None:
+                    self.cycle.keep_alive = False
+                return
+            except httptools.HttpParserError as exc:
+                cause = exc.__context__ if isinstance(exc.__context__, _Refusal) else None
+                if cause is None:
+                    self._refuse_request(_Refusal(400, "bad_request", "invalid HTTP request", "bad_requests"))
+                else:
+                    self._refuse_request(cause)
+                return
+            self._account(len(data), phase_before, message_before)
+            if not self._broken:
+                self._update_receive_deadline()
+
+        def _account(self, n: int, phase_before: str, message_before: int) -> None:
+            """Count this read's bytes towards the head or the body they belong to. When a
+            request ended inside the read and the next one began, the next one's share of
+            the read is unknown: it is counted from the next read on (at most one read late)."""
+            if self._phase in (IDLE, HEAD):
+                if phase_before in (IDLE, HEAD) and self._heads_in_read == 0:
+                    self._waiting_bytes += n
+                if self._waiting_bytes > limits.max_header_bytes:
+                    self._refuse_request(too_large(
+                        f"request line and headers are over {limits.max_header_bytes} bytes"))
+            elif phase_before == BODY and self._message_no == message_before:
+                self._body_bytes += n
+                if self._body_bytes > limits.max_body_framing_bytes:
+                    self._refuse_request(_Refusal(
+                        413, "body_too_large",
+                        f"the request body took over {limits.max_body_framing_bytes} bytes on the wire",
+                        "framing_too_large"))
+
+        def send_400_response(self, msg: str) -> None:
+            self._fail(400, "bad_request", msg)
+
+        def _refuse_request(self, refusal: _Refusal) -> None:
+            """Stop parsing and answer ``refusal``: now, or after the answers still owed to
+            earlier requests (the client reads answers in order)."""
+            setattr(stats, refusal.counter, getattr(stats, refusal.counter) + 1)
+            self._broken = True
+            self._disarm()
+            if self._phase == BODY and self.cycle is not None and not self.cycle.response_complete:
+                self._drop_current_cycle()
+            if self._earlier_answers_pending():
+                self._pending_error = (refusal.status, refusal.code, refusal.message)
+                self.flow.pause_reading()
+                return
+            self._fail(refusal.status, refusal.code, refusal.message)
+
+        def _drop_current_cycle(self) -> None:
+            """The request being read will not be completed: its app sees a disconnect, and a
+            copy still queued behind others never starts."""
+            cycle = self.cycle
+            if cycle is not self._active:
+                for entry in list(self.pipeline):
+                    if entry[0] is cycle:
+                        self.pipeline.remove(entry)
+                cycle.response_complete = True  # nothing will be written for it
+            cycle.disconnected = True
+            cycle.message_event.set()
+
+        def _fail(self, status: int, code: str, message: str) -> None:
+            self._disarm()
+            if self.transport.is_closing():
+                return
+            cycle = self.cycle if self._phase == BODY else None
+            if cycle is None or not cycle.response_started:
+                self._write_error_and_close(status, code, message)
+            else:
+                self.transport.close()
+
+        def _write_error_and_close(self, status: int, code: str, message: str) -> None:
+            self._broken = True
+            self.transport.write(error_bytes(status, code, message))
+            self.transport.close()
+
+        # ---- deadlines --------------------------------------------------------------
+        def _update_receive_deadline(self) -> None:
+            """Arm the deadline of what the client owes now, or none: a head or a body is
+            the client's to send only once every earlier answer is out."""
+            if self._broken or self.transport.is_closing():
+                return
+            if self._earlier_answers_pending():
+                self._disarm()
+            elif self._phase == BODY:
+                self._arm(("body", self._message_no), limits.body_timeout_s)
+            elif self._phase == HEAD:
+                self._arm(("head", self._message_no), limits.header_timeout_s)
+            elif self._waiting_bytes > 0 or self._message_no == 0:
+                # the first request's head is due from the connection; a later one's from its
+                # first byte (until then uvicorn's keep-alive timer runs)
+                self._arm(("head", self._message_no + 1), limits.header_timeout_s)
+            else:
+                self._disarm()
+
+        def _arm(self, key: tuple[str, int], seconds: float) -> None:
+            if self._deadline is not None and self._deadline_for == key:
+                return  # already running for this head or body: never restarted by a byte
+            self._disarm()
+            self._deadline_for = key
+            self._deadline = self.loop.call_later(seconds, self._on_deadline)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+            self._deadline_for = None
+
+        def _on_deadline(self) -> None:
+            self._deadline = None
+            stats.timed_out += 1
+            self._broken = True
+            if self._phase == BODY and self.cycle is not None and not self.cycle.response_complete:
+                # the body did not arrive in time; the app sees a disconnect
+                self.cycle.disconnected = True
+                self.cycle.message_event.set()
+            self._fail(408, "request_timeout", "the request did not arrive in time")
+
+        # ---- parser callbacks -------------------------------------------------------
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._message_no += 1
+            self._phase = HEAD
+            self._head_bytes = 0
+            self._header_count = 0
+
+        def on_url(self, url: bytes) -> None:
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._header_count += 1
+            if self._header_count > limits.max_header_count:
+                raise too_large(f"over {limits.max_header_count} header fields")
+            self._count(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def _count(self, n: int) -> None:
+            self._head_bytes += n
+            if self._head_bytes > limits.max_header_bytes:
+                raise too_large(f"request line and headers are over {limits.max_header_bytes} bytes")
+
+        def on_headers_complete(self) -> None:
+            if (self.cycle is not None and not self.cycle.response_complete
+                    and len(self.pipeline) >= limits.max_pipelined_requests):
+                raise _Refusal(429, "too_many_pipelined_requests",
+                               f"over {limits.max_pipelined_requests} requests wait behind the one being answered",
+                               "pipeline_refused")
+            starts_now = self.cycle is None or self.cycle.response_complete
+            self._phase = BODY
+            self._heads_in_read += 1
+            self._waiting_bytes = 0
+            self._body_bytes = 0
+            super().on_headers_complete()
+            if starts_now:  # else uvicorn queued it behind the one being answered
+                self._active = self.cycle
+            if self.cycle.waiting_for_100_continue:
+                self._close_if_refused_before_continue(self.cycle)
+
+        def _close_if_refused_before_continue(self, cycle) -> None:
+            """A client that sent ``Expect: 100-continue`` holds its body back until the 100;
+            answered without it (413, 401), its connection cannot carry another request
+            (the body it announced is still due): say ``Connection: close`` and close."""
+            send = cycle.send
+
+            async def send_then_close(message):
+                if (message["type"] == "http.response.start" and cycle.waiting_for_100_continue
+                        and cycle.more_body):
+                    cycle.keep_alive = False
+                await send(message)
+            cycle.send = send_then_close
+
+        def on_message_complete(self) -> None:
+            self._phase = IDLE
+            super().on_message_complete()
+
+    return GuardedHttpProtocol

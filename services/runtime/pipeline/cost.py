@@ -1,0 +1,163 @@
+"""One cost model per service: what a request and a batch cost, known before they run.
+
+``ServiceCost`` holds the learned time curve and memory curve (costmodel.py), the
+budgets (budget.py) and the ledger of what admitted requests hold. A decode hook states
+what its request will cost through ``RequestCost.check`` BEFORE it decodes anything
+(image sizes come from headers): items, the pixels the model sees per item, the pixels
+decoded and produced, the bytes of the answer. Each figure is multiplied out and checked
+against the budgets: a count within its limit times a size within its limit is still
+refused when the product is not. The batch loop asks ``call_fits`` before it adds an item
+to a batch, and splits a request's items over several calls when they do not fit in one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from services.runtime.errors import ApiError
+from services.runtime.pipeline.budgets import Budgets, Charge, HeldMemory, mib
+from services.runtime.pipeline.cost_curves import BatchCurve, MemoryCurve
+
+BYTES_PER_PIXEL = 3          # RGB, 8 bits a channel, as decoded and as produced
+BASE64 = 4 / 3
+ANSWER_OVERHEAD = 4096
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    items: int
+    input_pixels: int        # decoded from the request
+    model_pixels: int        # the largest item, as the model sees it
+    output_pixels: int       # produced in all
+    output_bytes: int        # the encoded answer, held until the client reads it
+    held_bytes: int          # everything this request holds at its peak
+    call_bytes: int          # working memory of a model call on its largest item
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def output_bytes_for(pixels: int, base64: bool = False) -> int:
+    """An encoded answer's size at most: an incompressible picture is its raw size."""
+    raw = pixels * BYTES_PER_PIXEL
+    return int(raw * (BASE64 if base64 else 1.0)) + ANSWER_OVERHEAD
+
+
+class ServiceCost:
+    """The service's cost model and budgets; the ledger of held memory."""
+
+    def __init__(self, backend: Any, max_batch: int):
+        self.backend = backend
+        self.curve = BatchCurve(max_batch)
+        self.memory = MemoryCurve(floor_per_pixel=float(getattr(backend, "memory_per_pixel", 0.0) or 0.0))
+        self.reference_work = 1.0
+        self.budgets: Budgets | None = None
+        self.held: HeldMemory | None = None
+        self.probe: Any = None        # the warm-up's PeakProbe: live calls measure with it when precise
+
+    # ---- what the backend says an item weighs ------------------------------------------
+    def item_pixels(self, item: Any) -> int:
+        try:
+            return max(0, int(self.backend.item_pixels(item)))
+        except Exception:  # noqa: BLE001 - a figure; never a reason to fail a request
+            return 0
+
+    def item_work(self, item: Any) -> float:
+        try:
+            work = float(self.backend.item_work(item))
+        except Exception:  # noqa: BLE001
+            return self.reference_work
+        return work if math.isfinite(work) and work > 0 else self.reference_work
+
+    # ---- time -------------------------------------------------------------------------
+    def work_ratio(self, items: Sequence[Any]) -> float:
+        if not items:
+            return 1.0
+        return sum(self.item_work(i) for i in items) / len(items) / self.reference_work
+
+    def call_seconds(self, size: int, work_ratio: float = 1.0) -> float | None:
+        secs = self.curve.seconds(size)
+        return None if secs is None else secs * work_ratio
+
+    def observe_call(self, items: Sequence[Any], seconds: float, peak_bytes: int | None) -> None:
+        ratio = self.work_ratio(items)
+        if ratio > 0:
+            self.curve.observe(len(items), seconds / ratio)
+        if peak_bytes is not None:
+            self.memory.observe(sum(self.item_pixels(i) for i in items), peak_bytes)
+
+    # ---- memory -----------------------------------------------------------------------
+    def call_bytes(self, pixels: int) -> int:
+        return self.memory.call_bytes(pixels)
+
+    def call_fits(self, pixels: int) -> bool:
+        """Whether one model call on items of `pixels` in all fits its working memory."""
+        return self.budgets is None or self.call_bytes(pixels) <= self.budgets.batch_bytes
+
+    def new_charge(self) -> Charge:
+        return Charge(self.held)
+
+    def snapshot(self) -> dict[str, Any]:
+        held = self.held
+        return {"time": self.curve.snapshot(), "memory": self.memory.snapshot(),
+                "budgets": None if self.budgets is None else self.budgets.snapshot(),
+                "held_bytes": None if held is None else held.used,
+                "held_peak_bytes": None if held is None else held.peak,
+                "refused_for_memory": None if held is None else held.refused}
+
+
+class DryRunComplete(Exception):
+    """Raised by ``RequestCost.check`` in a dry run once the cost is known and accepted: the
+    decode hook stops there (nothing is decoded), and the runtime answers the dry run."""
+
+
+class RequestCost:
+    """Handed to a decode hook (``raw.cost``): state the request's cost before decoding."""
+
+    def __init__(self, service: ServiceCost | None, charge: Charge, body_bytes: int = 0, dry_run: bool = False):
+        self.service = service
+        self.charge = charge
+        self.body_bytes = body_bytes
+        self.dry_run = dry_run
+        self.estimate: CostEstimate | None = None
+
+    def check(self, *, items: int = 1, item_pixels: int | Iterable[int] = 0, input_pixels: int = 0,
+              output_pixels: int = 0, output_bytes: int | None = None, base64_output: bool = False,
+              dry_run_stops_here: bool = True) -> CostEstimate:
+        """Refuse (413) what could never run, or (503) what does not fit now; else hold it.
+
+        `item_pixels` is what the model sees per item (one figure for all, or one each).
+        May be called again with larger figures (a request learns more as it goes): the
+        holding grows to the new total. In a dry run (``X-Onecard-Dry-Run``) an accepted
+        cost ends the hook here (DryRunComplete): nothing is decoded."""
+        per_item = [int(p) for p in item_pixels] if not isinstance(item_pixels, int) else [int(item_pixels)] * items
+        items = max(items, len(per_item)) if per_item else items
+        largest = max(per_item, default=0)
+        if output_bytes is None:
+            output_bytes = output_bytes_for(output_pixels, base64_output) if output_pixels else ANSWER_OVERHEAD
+        held = (self.body_bytes + BYTES_PER_PIXEL * (input_pixels + sum(per_item) + output_pixels)
+                + int(output_bytes))
+        service = self.service
+        call = service.call_bytes(largest) if service is not None else 0
+        estimate = CostEstimate(items, int(input_pixels), largest, int(output_pixels), int(output_bytes), held, call)
+        self.estimate = estimate
+        self.charge.estimate = estimate.as_dict()
+        budgets = service.budgets if service is not None else None
+        if budgets is not None:
+            if call > budgets.batch_bytes:
+                raise ApiError(413, "too_costly",
+                               f"one item of {largest} pixels needs about {mib(call)} of working memory in a model "
+                               f"call; this service's calls may use {mib(budgets.batch_bytes)}: send a smaller "
+                               f"picture or size")
+            if held > budgets.request_bytes:
+                raise ApiError(413, "too_costly",
+                               f"this request would hold about {mib(held)} ({items} item(s), {input_pixels} pixels "
+                               f"decoded, {output_pixels} produced, answer up to {mib(output_bytes)}); one request "
+                               f"may hold {mib(budgets.request_bytes)}: send fewer or smaller pictures")
+        self.charge.hold(held)
+        if self.dry_run and dry_run_stops_here:
+            raise DryRunComplete()
+        return estimate

@@ -1,0 +1,31 @@
+"""The bounded executor for decode, encode, base64 and other CPU work: the event loop only
+moves bytes and awaits."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any
+
+from services.runtime.device.threads import lower_priority
+
+
+def cpu_pool_size(threads: int) -> int:
+    """More decode/encode threads than cores: one request's big picture then holds one thread
+    while the others serve small ones (the decoders release the GIL, so the kernel shares the
+    cores between them), and what they may hold together is bounded by the memory ledger."""
+    return min(32, max(4, 2 * threads))
+
+
+class CpuPool:
+    def __init__(self, threads: int):
+        self.threads = threads
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="onecard-cpu",
+                                                           initializer=lower_priority)
+
+    async def run(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

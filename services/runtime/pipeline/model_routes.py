@@ -1,0 +1,205 @@
+"""The request pipeline every model route goes through.
+
+    auth (middleware) -> admit (queue slot or 503) -> read body (loop, limits)
+      -> decode hook (CPU pool) -> queue, batch, infer (GPU worker) -> encode hook (CPU pool)
+      -> respond with Server-Timing
+
+A route is a ``ModelRoute``: ``decode(raw) -> Work`` turns the raw request into model
+items and a batching key (parse parameters, decode images); ``encode(work, results,
+raw) -> Reply`` turns results into bytes. Both run in the CPU pool, never on the event
+loop. Limits, admission, deadlines, disconnects, metrics and the dry run
+(``X-Onecard-Dry-Run: 1``: everything up to the model, then ``{"valid": true}``) hold
+for every route alike, webui routes included. Services write their routes with the
+public API (``onecard.Model``, ``onecard.Route``), which builds these.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from services.runtime.codecs.forms import media_type
+from services.runtime.codecs.json_answer import json_parts
+from services.runtime.edge.body import query_params, read_body
+from services.runtime.errors import ApiError, error_responses
+from services.runtime.pipeline.admission import Admission
+from services.runtime.pipeline.backend import Backend
+from services.runtime.pipeline.cost import DryRunComplete, RequestCost
+from services.runtime.pipeline.cpu_pool import CpuPool, cpu_pool_size
+from services.runtime.pipeline.held_response import HeldResponse
+from services.runtime.pipeline.metrics import PipelineMetrics
+from services.runtime.pipeline.raw_request import RawRequest
+from services.runtime.pipeline.scheduler import Scheduler
+from services.runtime.pipeline.settings import ModelServiceSettings
+from services.runtime.pipeline.timing import Timing
+
+DRY_RUN_HEADER = "x-onecard-dry-run"
+
+
+@dataclass
+class Work:
+    """What decode hands on: the model items, their batching key, and anything encode needs."""
+    items: list[Any]
+    key: Hashable = None
+    state: Any = None
+
+
+@dataclass
+class Reply:
+    body: bytes | list[bytes]      # a list is sent part after part (no joined copy)
+    media_type: str
+    headers: dict[str, str] = field(default_factory=dict)
+    status: int = 200
+
+
+def json_reply(doc: Any, headers: dict[str, str] | None = None) -> Reply:
+    parts = json_parts(doc)
+    return Reply(parts[0] if len(parts) == 1 else parts, "application/json", headers or {})
+
+
+@dataclass
+class ModelRoute:
+    path: str
+    decode: Callable[[RawRequest], Work | None]
+    encode: Callable[[Work, list[Any], RawRequest], Reply]
+    summary: str = ""
+    description: str = ""
+    request_body: dict[str, Any] | None = None       # OpenAPI requestBody
+    responses: dict[int | str, Any] = field(default_factory=dict)
+    parameters: list[dict[str, Any]] = field(default_factory=list)  # OpenAPI query parameters
+    tags: list[str] = field(default_factory=list)
+    error_body: Callable[[ApiError], dict] | None = None  # a route-specific error shape (webui)
+
+
+class ModelPipeline:
+    """One service's model side: admission, the CPU pool, the scheduler (made when the model
+    has loaded) and the routes that feed it."""
+
+    def __init__(self, settings: ModelServiceSettings, backend: Backend, metrics: PipelineMetrics, threads: int):
+        self.settings = settings
+        self.backend = backend
+        self.metrics = metrics
+        self.admission = Admission(settings.max_queue, settings.retry_after_s)
+        self.cpu = CpuPool(settings.cpu_workers or cpu_pool_size(threads))
+        self.scheduler: Scheduler | None = None
+        self.routes: dict[str, ModelRoute] = {}
+        self.ready = False
+        self.draining = False
+
+    def add(self, app: FastAPI, route: ModelRoute) -> None:
+        self.routes[route.path] = route
+
+        async def endpoint(request: Request) -> Response:
+            return await self.handle(request, route)
+
+        openapi: dict[str, Any] = {}
+        if route.request_body is not None:
+            openapi["requestBody"] = route.request_body
+        if route.parameters:
+            openapi["parameters"] = route.parameters
+        app.add_api_route(route.path, endpoint, methods=["POST"], summary=route.summary,
+                          description=route.description, tags=route.tags or None,
+                          responses={**error_responses(), **route.responses}, openapi_extra=openapi or None,
+                          response_class=Response)
+
+    async def handle(self, request: Request, route: ModelRoute) -> Response:
+        timing = Timing()
+        if not self.ready or self.scheduler is None:
+            raise ApiError(503, "not_ready", "the model is still loading", {"Retry-After": "5"})
+        scheduler = self.scheduler
+        connection = request.scope.get("client")
+        scheduler.request_arrived(connection)
+        ticket = self.admission.admit()
+        charge = scheduler.cost.new_charge()
+        try:
+            body = await read_body(request, self.settings.max_body_bytes, lambda n: charge.hold(n, "the body"))
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.scope["headers"]}
+            ctype = headers.get("content-type", "")
+            dry_run = is_dry_run(headers)
+            raw = RawRequest(request.method, route.path, query_params(request), headers, media_type(ctype), ctype,
+                             body)
+            raw.cost = RequestCost(scheduler.cost, charge, len(body), dry_run=dry_run)
+            work = await self._decode(route, raw, timing)
+            if work is None:  # a dry run that the hook ended after its cost check
+                return self._respond(json_reply(self._dry_run_doc(raw, None)), timing, charge)
+            if raw.cost.estimate is None:  # a hook that stated no cost: what its items say
+                await self.cpu.run(self._cost_of_items, raw, work)
+            if dry_run:
+                return self._respond(json_reply(self._dry_run_doc(raw, work)), timing, charge)
+            try:  # a request that brought no item has nothing to run
+                results = await scheduler.submit(work.items, work.key, timing, request.receive, ticket) \
+                    if work.items else []
+            except asyncio.CancelledError:
+                if not self.draining:
+                    raise
+                # the drain ran out of time: say so, retryably, instead of uvicorn's plain 500
+                raise ApiError(503, "shutting_down", "the service stopped before this request finished; retry",
+                               {"Retry-After": str(self.settings.retry_after_s), "Connection": "close"}) from None
+            token = object()
+            scheduler.answering(token)
+            charge.on_close = lambda: scheduler.answered(token, connection)  # sent, or the client is gone
+            self.metrics.stage.labels(route.path, "queue").observe(timing.stages.get("queue", 0.0))
+            self.metrics.stage.labels(route.path, "infer").observe(timing.stages.get("infer", 0.0))
+            t1 = time.perf_counter()
+            try:
+                reply = await self.cpu.run(route.encode, work, results, raw)
+            finally:
+                dt = time.perf_counter() - t1
+                timing.add("encode", dt)
+                self.metrics.stage.labels(route.path, "encode").observe(dt)
+            del work, results, raw, body
+            charge.account(reply_size(reply))  # only the answer is held now, until it is sent
+        except BaseException:
+            charge.close()
+            raise
+        finally:
+            ticket.release()
+        return self._respond(reply, timing, charge)
+
+    async def _decode(self, route: ModelRoute, raw: RawRequest, timing: Timing) -> Work | None:
+        token = object()
+        self.scheduler.decoding_started(token)
+        t0 = time.perf_counter()
+        try:
+            return await self.cpu.run(route.decode, raw)
+        except DryRunComplete:
+            return None
+        finally:
+            self.scheduler.decoding_done(token)
+            dt = time.perf_counter() - t0
+            timing.add("decode", dt)
+            self.metrics.stage.labels(route.path, "decode").observe(dt)
+
+    def _cost_of_items(self, raw: RawRequest, work: Work) -> None:
+        raw.cost.check(items=len(work.items), item_pixels=[self.scheduler.cost.item_pixels(i) for i in work.items],
+                       dry_run_stops_here=False)
+
+    @staticmethod
+    def _dry_run_doc(raw: RawRequest, work: Work | None) -> dict[str, Any]:
+        estimate = raw.cost.estimate
+        items = len(work.items) if work is not None else (estimate.items if estimate is not None else 0)
+        return {"valid": True, "items": items, "cost": None if estimate is None else estimate.as_dict()}
+
+    @staticmethod
+    def _respond(reply: Reply, timing: Timing, charge=None) -> Response:
+        headers = {**reply.headers, "Server-Timing": timing.header()}
+        return HeldResponse(reply.body, status_code=reply.status, media_type=reply.media_type, headers=headers,
+                            charge=charge)
+
+
+def is_dry_run(headers: dict[str, str]) -> bool:
+    return headers.get(DRY_RUN_HEADER, "").strip().lower() in ("1", "true")
+
+
+def is_dry_run_scope(scope: dict) -> bool:
+    return any(k == b"x-onecard-dry-run" and v.strip().lower() in (b"1", b"true") for k, v in scope["headers"])
+
+
+def reply_size(reply: Reply) -> int:
+    return len(reply.body) if isinstance(reply.body, bytes) else sum(map(len, reply.body))

@@ -1,0 +1,123 @@
+"""Warm-up: real inferences before the service says ready, and the cost curves measured on them.
+
+First the backend's warm-up items run ``warmup_runs`` times (the first calls of a model are
+slow: kernels compile, arenas grow). Then the batch-time curve: the same items, repeated to
+batches of 1, 2, 4 ... ``max_batch_size``, each size timed twice (the faster run counts:
+noise only ever adds time) with the peak memory each call adds. A model that cannot batch
+is timed at 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from common import hostmemory as memory
+from services.runtime.pipeline.cost import ServiceCost
+
+log = logging.getLogger("onecard.service")
+
+
+def batch_sizes(max_batch: int) -> list[int]:
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    sizes.append(max_batch)
+    return sizes
+
+
+class PeakProbe:
+    """The peak memory one model call adds: torch's allocator on CUDA, the process's VmHWM
+    on the CPU; None where neither says anything true (onnxruntime on a GPU)."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._base = 0
+
+    @classmethod
+    def for_backend(cls, backend: Any) -> PeakProbe:
+        device = str(getattr(backend, "device", None) or "cpu")
+        if device == "cuda":
+            torch = sys.modules.get("torch")
+            if getattr(backend, "uses_torch", False) and torch is not None and torch.cuda.is_available():
+                return cls("torch")
+            return cls("none")
+        return cls("host")
+
+    @property
+    def precise(self) -> bool:
+        """Whether a live call's figure is its own (the host figure includes other threads)."""
+        return self.kind == "torch"
+
+    def start(self) -> None:
+        if self.kind == "torch":
+            torch = sys.modules["torch"]
+            torch.cuda.reset_peak_memory_stats()
+            self._base = torch.cuda.memory_allocated()
+        elif self.kind == "host":
+            self._base = memory.resident_bytes() or 0
+            if not memory.reset_peak():
+                self.kind = "none"
+
+    def stop(self) -> int | None:
+        if self.kind == "torch":
+            return max(0, sys.modules["torch"].cuda.max_memory_allocated() - self._base)
+        if self.kind == "host":
+            peak = memory.peak_bytes()
+            return None if peak is None else max(0, peak - self._base)
+        return None
+
+
+def measured_call(fn: Callable[[list], list], items: list, probe: PeakProbe | None) -> tuple[list, float, int | None]:
+    """Run one model call on the calling thread: (results, seconds, peak bytes added)."""
+    if probe is not None:
+        probe.start()
+    t0 = time.perf_counter()
+    results = fn(items)
+    seconds = time.perf_counter() - t0
+    return results, seconds, (probe.stop() if probe is not None else None)
+
+
+def _check(results: list) -> None:
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        raise RuntimeError(f"warm-up inference failed: {failed[0]!r}")
+
+
+async def warm_up(backend: Any, run_on_worker: Callable, cost: ServiceCost, runs: int, max_batch: int) -> int:
+    """Warm the model and measure its curves; the number of inferences it took."""
+    items = list(backend.warmup_items())
+    if not items or runs <= 0:
+        return 0
+    done = 0
+    for _ in range(runs):
+        results = await run_on_worker(backend.infer_batch, items)
+        _check(results)
+        done += len(items)
+    cost.reference_work = sum(cost.item_work(i) for i in items) / len(items)
+    probe = PeakProbe.for_backend(backend)
+    samples: list[tuple[int, int]] = []
+    for size in batch_sizes(max_batch):
+        batch = [items[i % len(items)] for i in range(size)]
+        best = None
+        peak_max = None
+        for _ in range(2):
+            results, seconds, peak = await run_on_worker(measured_call, backend.infer_batch, batch, probe)
+            _check(results)
+            done += size
+            best = seconds if best is None else min(best, seconds)
+            if peak is not None:
+                peak_max = peak if peak_max is None else max(peak_max, peak)
+        cost.curve.replace(size, best / cost.work_ratio(batch))
+        if peak_max is not None:
+            samples.append((sum(cost.item_pixels(i) for i in batch), peak_max))
+    if samples:
+        cost.memory.fit(samples)
+    cost.probe = probe
+    memory.trim_heap()
+    log.info("cost model: %s", {"time": cost.curve.snapshot(), "memory": cost.memory.snapshot()})
+    return done

@@ -1,0 +1,79 @@
+"""The OpenAPI document with the service's security schemes, and /docs served from assets
+inside a wheel (fastapi-offline), so that the docs page works on a unit without internet."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, Response
+
+if TYPE_CHECKING:
+    from services.runtime.edge.credentials import Credentials
+
+DOCS_ASSETS = {"swagger-ui-bundle.js": "application/javascript", "swagger-ui.css": "text/css"}
+
+
+def install_openapi(app: FastAPI, credentials: Credentials) -> None:
+    """Security schemes in the schema, and /docs served from assets inside a wheel."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        schemes: dict[str, Any] = {}
+        if credentials.api_key is not None:
+            schemes["apiKey"] = {"type": "apiKey", "in": "header", "name": "X-API-Key"}
+            schemes["bearer"] = {"type": "http", "scheme": "bearer"}
+        if credentials.basic:
+            schemes["basic"] = {"type": "http", "scheme": "basic"}
+        if schemes:
+            schema.setdefault("components", {})["securitySchemes"] = schemes
+            schema["security"] = [{name: []} for name in schemes]
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        if _asset_dir() is None:
+            return HTMLResponse("<p>API docs need the fastapi-offline package; the schema is at "
+                                "<a href='/openapi.json'>/openapi.json</a></p>", status_code=404)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - API",
+                                   swagger_js_url="/docs/swagger-ui-bundle.js",
+                                   swagger_css_url="/docs/swagger-ui.css", swagger_favicon_url="")
+
+    for asset, mime in DOCS_ASSETS.items():
+        def make(name: str = asset, media: str = mime):
+            async def serve_asset() -> Response:
+                data = await asyncio.to_thread(_asset, name)
+                if data is None:
+                    return Response(status_code=404)
+                return Response(data, media_type=media, headers={"Cache-Control": "public, max-age=86400"})
+            return serve_asset
+        app.add_api_route(f"/docs/{asset}", make(), include_in_schema=False, methods=["GET"])
+
+
+@lru_cache(maxsize=1)
+def _asset_dir() -> str | None:
+    try:
+        import fastapi_offline
+    except ImportError:
+        return None
+    return os.path.join(os.path.dirname(fastapi_offline.__file__), "static")
+
+
+@lru_cache(maxsize=len(DOCS_ASSETS))
+def _asset(name: str) -> bytes | None:
+    """One of a fixed set of files (the name never comes from a request), read once."""
+    base = _asset_dir()
+    if base is None or name not in DOCS_ASSETS:
+        return None
+    with open(os.path.join(base, name), "rb") as fh:
+        return fh.read()

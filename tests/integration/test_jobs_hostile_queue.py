@@ -1,0 +1,187 @@
+"""The jobs service in a hostile environment: an embedded queue full of finished jobs, a
+Redis that stops answering (503 quickly, a bounded pool), a Redis at its maxmemory, a queue
+URL variable that is missing (the service, and the unit, stop with 78). A real
+redis-server; every process is stopped by the test that started it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.harness import ROOT, SupervisorRun, fake_service, free_port
+from tests.jobs_harness import error_of, idempotency_rules, JOBS_APP, TARGET_APP, Proc, Unit, start_units
+from tests.redis_server import RedisServer
+
+WORK = "/api/v1/work"
+
+
+SCRIPTED = "scripted/scripted/m1"
+
+
+MAX_RESULT = 200_000
+
+
+# ---- the embedded queue's bounds ---------------------------------------------------------
+def test_the_embedded_queue_evicts_its_oldest_finished_jobs(tmp_path):
+    u = Unit(tmp_path, "small", targets={"scripted": (TARGET_APP, {"model": "m1"})},
+             target_settings={"scripted": {"max_in_flight": 1}},
+             queue={"max_finished_jobs": 3, "max_results_bytes": 100_000, "max_queued_bytes": 100_000},
+             max_result_bytes=50_000)
+    try:
+        start_units(u)
+        ids = []
+        for i in range(5):  # one after the other: each is read before a later one can evict it
+            ids.append(u.submit("scripted", WORK, params={"tag": f"j{i}"})["id"])
+            assert u.wait(ids[-1])["state"] == "succeeded"
+        seen = [u.api.get(f"/v1/jobs/{i}").status_code for i in ids]
+        assert seen == [404, 404, 200, 200, 200], seen
+        # by bytes: three results of 40 kB do not fit in 100 kB; the oldest goes
+        big = []
+        for i in range(3):
+            big.append(u.submit("scripted", WORK, params={"tag": f"b{i}", "pad": 40_000})["id"])
+            assert u.wait(big[-1])["state"] == "succeeded"
+        seen = [u.api.get(f"/v1/jobs/{i}", params={"result": "false"}).status_code for i in big]
+        assert seen == [404, 200, 200], seen
+        assert u.api.get(f"/v1/jobs/{big[2]}/result").status_code == 200
+        # the bodies of waiting jobs: one runs for a while, three of 30 kB wait, a fourth does not fit
+        held = [u.submit("scripted", WORK, params={"tag": "hold", "sleep_s": 2})["id"]]
+        held += [u.submit("scripted", WORK, params={"tag": f"q{i}", "p": "x" * 30_000})["id"] for i in range(3)]
+        r = u.api.post("/v1/jobs", json={"service": "scripted", "route": WORK, "params": {"p": "x" * 30_000}})
+        assert r.status_code == 503 and r.headers["retry-after"], r.text
+        assert error_of(r)["code"] == "queue_full" and "max_queued_bytes" in error_of(r)["message"]
+        assert u.wait(held[-1])["state"] == "succeeded"  # the last to run (the first are evicted by now)
+        room = u.submit("scripted", WORK, params={"tag": "room", "p": "x" * 30_000})
+        assert u.wait(room["id"])["state"] == "succeeded"
+    finally:
+        u.stop()
+
+
+# ---- Redis ---------------------------------------------------------------------------------
+def redis_connections(pid: int, port: int) -> int:
+    return sum(1 for c in psutil.Process(pid).net_connections(kind="tcp")
+               if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+
+
+def test_redis_that_hangs_gives_503_quickly_and_a_bounded_pool(tmp_path):
+    srv = RedisServer(tmp_path)
+    u = Unit(tmp_path, "stuck", targets={"scripted": (TARGET_APP, {"model": "m1"}),
+                                          "bare": (TARGET_APP, {"model": "m2", "openapi": False})},
+             target_settings={"bare": {"routes": [WORK]}},
+             queue={"url": srv.url, "prefix": "stuck", "op_timeout_s": 1.0, "max_connections": 4})
+    try:
+        srv.start()
+        start_units(u)
+        idempotency_rules(u, "stuck-key")
+        job_id = u.submit("scripted", WORK, params={"tag": "before"})["id"]
+        assert u.wait(job_id)["state"] == "succeeded"
+        srv.pause()
+        for method, path, body in (("POST", "/v1/jobs", {"service": "scripted", "route": WORK, "params": {}}),
+                                   ("GET", f"/v1/jobs/{job_id}", None), ("GET", f"/v1/jobs/{job_id}/result", None),
+                                   ("DELETE", f"/v1/jobs/{job_id}", None)):
+            t0 = time.monotonic()
+            r = u.api.request(method, path, json=body, timeout=30)
+            took = time.monotonic() - t0
+            assert r.status_code == 503, (path, r.text)
+            assert error_of(r)["code"] == "queue_unavailable" and r.headers["retry-after"], r.text
+            assert took < 2.5, (path, took)  # op_timeout_s + slack; without a deadline: 3 tries of 1 s
+        # a flood while Redis hangs: each request waits for one of 4 pooled connections
+        with concurrent.futures.ThreadPoolExecutor(48) as pool:
+            futs = [pool.submit(httpx.get, f"{u.jobs.url}/v1/jobs/{job_id}", timeout=30) for _ in range(48)]
+            peak = 0
+            while not all(f.done() for f in futs):
+                peak = max(peak, redis_connections(u.jobs.proc.pid, srv.port))
+                time.sleep(0.02)
+            codes = {f.result().status_code for f in futs}
+        assert codes == {503}, codes
+        # 4 pooled + one blocking read per consumer (2) + the cancel listener
+        assert 0 < peak <= 4 + 2 + 1, peak
+        srv.resume()
+        deadline = time.monotonic() + 15
+        while u.api.get(f"/v1/jobs/{job_id}").status_code != 200:
+            assert time.monotonic() < deadline, u.jobs.output()
+            time.sleep(0.1)
+        assert u.wait(u.submit("scripted", WORK, params={"tag": "after"})["id"])["state"] == "succeeded"
+    finally:
+        srv.resume()
+        u.stop()
+        srv.stop()
+
+
+def test_a_full_redis_refuses_submits_with_503_and_the_unit_goes_on(tmp_path):
+    """Redis at its maxmemory under noeviction (as the manifest runs it) refuses writes: a submit
+    is a 503 in the envelope, what is stored still reads, and once memory is back jobs run."""
+    import redis
+
+    srv = RedisServer(tmp_path)
+    u = Unit(tmp_path, "full", targets={"scripted": (TARGET_APP, {"model": "m1"})},
+             queue={"url": srv.url, "prefix": "full", "op_timeout_s": 2.0})
+    admin = None
+    try:
+        srv.start()
+        start_units(u)
+        done = u.submit("scripted", WORK, params={"tag": "before"})["id"]
+        assert u.wait(done)["state"] == "succeeded"
+        running = u.submit("scripted", WORK, params={"tag": "long", "sleep_s": 3})["id"]
+        u.wait(running, states={"running"})
+        admin = redis.Redis(port=srv.port)
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", 1)
+        for _ in range(3):
+            r = u.api.post("/v1/jobs", json={"service": "scripted", "route": WORK, "params": {"tag": "full"}},
+                           timeout=30)
+            assert r.status_code == 503, r.text
+            err = error_of(r)
+            assert err["code"] == "queue_full" and "maxmemory" in err["message"] and r.headers["retry-after"], r.text
+        assert u.api.get(f"/v1/jobs/{done}").json()["state"] == "succeeded"
+        # the unit says so: not ready, a metric, a log line
+        ready = u.api.get("/readyz")
+        assert ready.status_code == 503 and "refuses writes" in ready.json()["reason"], ready.text
+        assert "onecard_jobs_queue_writable 0.0" in u.api.get("/metrics").text
+        assert "Redis refuses writes (maxmemory" in u.jobs.output()
+        # an accepted job still moves on: a cancel (it was a 500, then a 503) ends it
+        r = u.api.delete(f"/v1/jobs/{running}", timeout=30)
+        assert r.status_code == 202, r.text
+        assert u.wait(running)["state"] == "cancelled"
+        assert u.jobs.alive
+        admin.config_set("maxmemory", 0)
+        assert u.wait(u.submit("scripted", WORK, params={"tag": "after"})["id"])["state"] == "succeeded"
+        assert u.api.get("/readyz").status_code == 200
+        assert "onecard_jobs_queue_writable 1.0" in u.api.get("/metrics").text
+    finally:
+        if admin is not None:
+            admin.close()
+        u.stop()
+        srv.stop()
+
+
+# ---- start-up --------------------------------------------------------------------------
+@pytest.mark.parametrize("value", [None, ""])
+def test_a_queue_url_variable_that_is_missing_stops_the_start(tmp_path, value):
+    env = {} if value is None else {"ONECARD_TEST_JOBS_QUEUE_URL": value}
+    p = Proc("jobs", JOBS_APP, {"queue": {"url_env": "ONECARD_TEST_JOBS_QUEUE_URL"}}, tmp_path, env=env)
+    if value is None:
+        p.env.pop("ONECARD_TEST_JOBS_QUEUE_URL", None)
+    p.start()
+    try:
+        code = p.proc.wait(timeout=60)
+        out = p.output()
+        assert code == 78, out
+        assert "ONECARD_TEST_JOBS_QUEUE_URL" in out and "queue.url_env" in out, out
+        assert "Traceback" not in out, out
+    finally:
+        p.kill()
+
+
+def test_the_supervisor_stops_the_unit_with_78_when_the_queue_url_variable_is_missing(tmp_path):
+    jobs = {"app": JOBS_APP, "port": free_port(), "threads": 1, "env": {"PYTHONPATH": str(ROOT)},
+            "settings": {"queue": {"url_env": "ONECARD_TEST_JOBS_QUEUE_URL"}}}
+    with SupervisorRun(tmp_path, {"jobs": jobs, "other": fake_service()}) as run:
+        assert run.wait_exit(60) == 78
+        out = run.output()
+        assert "jobs: exited with code 78; stopping every service" in out, out
+        assert "queue.url_env: the environment variable ONECARD_TEST_JOBS_QUEUE_URL is not set" in out, out
+        assert not run.wait_no_leftovers()

@@ -1,0 +1,95 @@
+"""Pictures and bodies before and after decoding: the JPEG marker walk counts scans and
+segments and refuses bombs before a decoder sees them, the pixel limit is read from the
+header, EXIF orientation is applied, a JPEG the model shrinks anyway decodes at reduced
+scale, JSON depth counts containers (not brackets in strings), and the answer's format
+comes from the request or its Accept."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from services.runtime.codecs import jpeg
+from services.runtime.codecs.forms import json_depth_over, parse_json
+from services.runtime.codecs.images import DecodeLimits, choose_format, decode_image, encode_image
+from services.runtime.errors import ApiError
+from tests.images import encode, exif_rotated_jpeg, progressive_jpeg, scan_bomb_jpeg
+
+LIMITS = DecodeLimits(max_pixels=40_000_000, max_jpeg_scans=32, max_image_markers=512)
+
+
+def test_the_marker_walk_counts_a_real_progressive_jpegs_scans():
+    shape = jpeg.walk(progressive_jpeg(), 32, 512)
+    assert shape.progressive and 6 <= shape.scans <= 12
+    base = jpeg.walk(encode(np.zeros((16, 16, 3), np.uint8), "JPEG"), 32, 512)
+    assert not base.progressive and base.scans == 1
+
+
+def test_a_scan_bomb_is_refused_before_any_decoding():
+    with pytest.raises(jpeg.JpegLimitError) as err:
+        jpeg.walk(scan_bomb_jpeg(200), 32, 100_000)
+    assert err.value.what == "JPEG scans" and err.value.count == 33
+    with pytest.raises(ApiError) as api:
+        decode_image(scan_bomb_jpeg(200), LIMITS)
+    assert (api.value.status, api.value.code) == (413, "image_too_complex")
+
+
+def test_too_many_segments_are_refused():
+    data = progressive_jpeg()
+    padded = data[:2] + (b"\xff\xfe\x00\x04ab" * 600) + data[2:]  # 600 comment segments
+    with pytest.raises(jpeg.JpegLimitError) as err:
+        jpeg.walk(padded, 32, 512)
+    assert err.value.what == "JPEG segments"
+
+
+def test_exif_orientation_is_applied():
+    stored = np.zeros((20, 40, 3), np.uint8)
+    stored[:, :20] = 255  # left half white, as stored
+    img = decode_image(exif_rotated_jpeg(stored, 6), LIMITS)  # 6: rotate 90 degrees clockwise to view
+    assert (img.width, img.height) == (20, 40) and img.rgb.shape == (40, 20, 3)
+    assert img.rgb[:15].mean() > 200 and img.rgb[25:].mean() < 50  # the white half is now on top
+
+
+def test_a_large_jpeg_the_model_shrinks_anyway_is_decoded_at_reduced_scale():
+    big = np.random.default_rng(1).integers(0, 255, (1600, 2400, 3), dtype=np.uint8)
+    data = encode(big, "JPEG", quality=80)
+    full = decode_image(data, LIMITS)
+    small = decode_image(data, LIMITS, max_side=300)
+    assert full.rgb.shape == (1600, 2400, 3) and full.scale == 1.0
+    assert (small.width, small.height) == (2400, 1600)  # the image's own size is still reported
+    assert small.rgb.shape[1] >= 300 and small.rgb.shape[1] <= 600 and small.scale == small.rgb.shape[1] / 2400
+
+
+def test_pixel_limit_is_checked_from_the_header():
+    with pytest.raises(ApiError) as err:
+        decode_image(encode(np.zeros((100, 100, 3), np.uint8)), DecodeLimits(max_pixels=9_999))
+    assert (err.value.status, err.value.code) == (413, "too_many_pixels")
+
+
+def test_json_depth_counts_containers_not_brackets_in_strings():
+    assert json_depth_over(json.loads('{"a": [[[[1]]]]}'), 4)
+    assert not json_depth_over(json.loads('{"a": [[[1]]]}'), 4)
+    assert not json_depth_over(json.loads(json.dumps({"s": "[[[[[[[[[[" * 10, "t": "\\\"[[[["})), 3)
+    assert json_depth_over(json.loads('[' * 50 + ']' * 50), 32)
+    for body in (b"[" * 50 + b"]" * 50, b"[" * 100_000 + b"]" * 100_000):  # past json's own limit too
+        with pytest.raises(ApiError) as err:
+            parse_json(body, 32)
+        assert (err.value.status, err.value.code) == (400, "json_too_deep")
+
+
+def test_brackets_in_strings_and_many_flat_containers_are_not_nesting():
+    body = json.dumps({"image": "[" * 1_000_000}).encode()
+    assert parse_json(body, 32)["image"][:3] == "[[["
+    flat = b"[" + b"[]," * 100_000 + b"[]]"  # many containers, depth 2
+    assert len(parse_json(flat, 2)) == 100_001
+
+
+def test_output_format_from_the_request_or_accept():
+    assert choose_format("webp", "image/png") == "webp"
+    assert choose_format(None, "text/html, image/jpeg;q=0.9") == "jpeg"
+    assert choose_format(None, "*/*", default="png") == "png"
+    data, mime = encode_image(np.zeros((8, 8, 3), np.uint8), "webp")
+    assert mime == "image/webp" and Image.open(__import__("io").BytesIO(data)).format == "WEBP"

@@ -1,0 +1,118 @@
+"""The service shell in-process (no serve.py): what every service gets from it whatever its
+part. Credentials (API key and HTTP Basic) with the failure limiter in front of them, so that
+an app built in-process has it too; probes open, with the instance on every answer; error
+shapes per path; readiness from the part, 503 the moment the drain begins; the part's
+figures in /stats and /metrics; one settings class whose keys every service has."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from services.jobs.settings import JobsSettings
+from services.runtime.errors import ApiError
+from services.runtime.pipeline.settings import ModelServiceSettings
+from services.runtime.settings import ServiceSettings
+from services.runtime.shell.app import ServiceShell
+from services.runtime.shell.part import ServicePart
+
+
+class Part(ServicePart):
+    title = "a part"
+    open_paths = frozenset({"/hello/open"})
+
+    def __init__(self) -> None:
+        self.ready = False
+        self.drained = 0
+
+    def add_routes(self, app: FastAPI, shell: ServiceShell) -> None:
+        shell.error_shapes["/odd/"] = lambda exc: {"oops": exc.code}
+
+        @app.get("/hello")
+        async def hello() -> dict[str, Any]:
+            return {"hello": True}
+
+        @app.get("/hello/open")
+        async def hello_open() -> dict[str, Any]:
+            return {"open": True}
+
+        @app.get("/odd/fail")
+        async def odd() -> None:
+            raise ApiError(418, "teapot", "short and stout")
+
+    async def start(self, shell: ServiceShell) -> None:
+        self.ready = True
+
+    def begin_drain(self) -> None:
+        self.drained += 1
+
+    def readiness(self) -> str | None:
+        return None if self.ready else "warming"
+
+    def stats(self) -> dict[str, Any]:
+        return {"served": 7}
+
+
+def client(monkeypatch, **settings) -> tuple[TestClient, ServiceShell, Part]:
+    monkeypatch.setenv("ONECARD_INSTANCE_TOKEN", "inst-1")
+    monkeypatch.delenv("ONECARD_PROBE_SOCKET", raising=False)
+    part = Part()
+    shell = ServiceShell("t", ServiceSettings(**settings), part)
+    return TestClient(shell.app(), raise_server_exceptions=False), shell, part
+
+
+def basic(user: str, password: str) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+def test_credentials_and_the_failure_limiter_hold_in_process(monkeypatch, tmp_path):
+    pairs = tmp_path / "pairs"
+    pairs.write_text("alice:s3cret\n")
+    c, _, _ = client(monkeypatch, api_key="k-1", basic_auth_file=str(pairs), auth_max_failures=3)
+    with c:
+        assert c.get("/hello").status_code == 401
+        assert c.get("/hello", headers={"X-API-Key": "k-1"}).json() == {"hello": True}
+        assert c.get("/hello", headers=basic("alice", "s3cret")).status_code == 200
+        assert c.get("/hello/open").status_code == 200 and c.get("/healthz").status_code == 200
+        for _ in range(3):
+            assert c.get("/hello", headers=basic("alice", "wrong")).status_code == 401
+        locked = c.get("/hello", headers=basic("alice", "s3cret"))  # right, but the address is locked out
+        assert locked.status_code == 429 and locked.json()["error"]["code"] == "too_many_auth_failures"
+        assert int(locked.headers["retry-after"]) >= 1
+        assert c.get("/healthz").status_code == 200  # probes are never refused
+
+
+def test_probes_identity_error_shapes_and_the_drain(monkeypatch):
+    c, shell, part = client(monkeypatch)
+    with c:
+        r = c.get("/readyz")
+        assert r.status_code == 200 and r.json()["instance"] == "inst-1"
+        assert c.get("/hello").headers["x-onecard-instance"] == "inst-1"  # on every answer
+        assert c.get("/stats").json()["served"] == 7
+        assert c.get("/odd/fail").json() == {"oops": "teapot"}
+        assert c.get("/nowhere").json()["error"]["code"] == "not_found"
+        shell.begin_drain()
+        r = c.get("/readyz")
+        assert r.status_code == 503 and r.json()["reason"] == "draining"
+        assert c.get("/healthz").status_code == 200
+    assert part.drained == 1
+    assert "onecard_requests_total" in shell.metrics.exposition().decode()
+
+
+def test_readiness_waits_for_the_part(monkeypatch):
+    c, _, part = client(monkeypatch)
+    with c:
+        part.ready = False
+        r = c.get("/readyz")
+        assert r.status_code == 503 and r.json()["reason"] == "warming"
+
+
+@pytest.mark.parametrize("model", [ModelServiceSettings, JobsSettings])
+def test_every_service_has_every_shared_key(model):
+    assert set(ServiceSettings.model_fields) <= set(model.model_fields)
+    with pytest.raises(ValueError):
+        model(max_pipelined_requests=0)
