@@ -1,6 +1,6 @@
 """The request pipeline every model route goes through.
 
-    auth (middleware) -> admit (queue slot or 503) -> read body (loop, limits)
+    auth (middleware) -> read body (loop, limits, memory ledger) -> admit (queue slot or 503)
       -> decode hook (CPU pool) -> queue, batch, infer (GPU worker) -> encode hook (CPU pool)
       -> respond with Server-Timing
 
@@ -115,10 +115,15 @@ class ModelPipeline:
         scheduler = self.scheduler
         connection = request.scope.get("client")
         scheduler.request_arrived(connection)
-        ticket = self.admission.admit()
         charge = scheduler.cost.new_charge()
+        ticket = None
         try:
-            body = await read_body(request, self.settings.max_body_bytes, lambda n: charge.hold(n, "the body"))
+            # The body first (its bytes charged to the memory ledger as they arrive), the queue
+            # slot once it is all here: uploads still arriving, slowly or on purpose, hold no slot
+            # of max_queue, and the slot is still taken before anything is decoded.
+            body = await read_body(request, self.settings.max_body_bytes, lambda n: charge.hold(n, "the body"),
+                                   self.settings.max_json_items)
+            ticket = self.admission.admit()
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.scope["headers"]}
             ctype = headers.get("content-type", "")
             dry_run = is_dry_run(headers)
@@ -159,7 +164,8 @@ class ModelPipeline:
             charge.close()
             raise
         finally:
-            ticket.release()
+            if ticket is not None:
+                ticket.release()
         return self._respond(reply, timing, charge)
 
     async def _decode(self, route: ModelRoute, raw: RawRequest, timing: Timing) -> Work | None:
