@@ -8,17 +8,16 @@ import base64
 import io
 import json
 import struct
-import zlib
 
 import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
 from services.runtime.codecs import png_bmp as formats
-from services.runtime.codecs.images import DecodeLimits, decode_image, encode_image, probe_image
 from services.runtime.codecs.base64_text import decode_base64, encode_base64
-from services.runtime.errors import ApiError
+from services.runtime.codecs.images import DecodeLimits, decode_image, encode_image, probe_image
 from services.runtime.codecs.json_answer import json_bytes, json_parts
+from services.runtime.errors import ApiError
 from tests.images import _chunk, astronaut, encode, pixel_bomb_png
 
 LIMITS = DecodeLimits(max_pixels=40_000_000, max_jpeg_scans=32, max_image_markers=512)
