@@ -30,6 +30,7 @@ from services.runtime.edge.body import query_params, read_body
 from services.runtime.errors import ApiError, error_responses
 from services.runtime.pipeline.admission import Admission
 from services.runtime.pipeline.backend import Backend
+from services.runtime.pipeline.budgets import MemoryWait
 from services.runtime.pipeline.cost import DryRunComplete, RequestCost
 from services.runtime.pipeline.cpu_pool import CpuPool, cpu_pool_size
 from services.runtime.pipeline.held_response import HeldResponse
@@ -118,6 +119,7 @@ class ModelPipeline:
         ticket = self.admission.admit()
         charge = scheduler.cost.new_charge()
         try:
+            await self._room_for_body(request, charge, timing)
             body = await read_body(request, self.settings.max_body_bytes, lambda n: charge.hold(n, "the body"))
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.scope["headers"]}
             ctype = headers.get("content-type", "")
@@ -162,12 +164,31 @@ class ModelPipeline:
             ticket.release()
         return self._respond(reply, timing, charge)
 
+    async def _room_for_body(self, request: Request, charge, timing: Timing) -> None:
+        """A declared body waits its turn for room in the ledger before a byte of it is read
+        (first come, first served, until the request's deadline); a chunked one is charged as
+        it arrives."""
+        declared = request.headers.get("content-length", "").strip()
+        held = self.scheduler.cost.held
+        if held is None or not declared.isdigit() or int(declared) > self.settings.max_body_bytes:
+            return  # read_body answers a bad or oversized length itself
+        try:
+            charge.hold(int(declared), "the body", wait=True)
+        except MemoryWait as wait:
+            left = timing.t0 + self.settings.request_timeout_s - time.perf_counter()
+            await held.wait_for(charge, wait.needed, wait.what, left)
+
     async def _decode(self, route: ModelRoute, raw: RawRequest, timing: Timing) -> Work | None:
         token = object()
         self.scheduler.decoding_started(token)
         t0 = time.perf_counter()
         try:
-            return await self.cpu.run(route.decode, raw)
+            while True:
+                try:
+                    return await self.cpu.run(route.decode, raw)
+                except MemoryWait as wait:  # others hold the room: wait its turn, then decode again
+                    left = timing.t0 + self.settings.request_timeout_s - time.perf_counter()
+                    await self.scheduler.cost.held.wait_for(raw.cost.charge, wait.needed, wait.what, left)
         except DryRunComplete:
             return None
         finally:
