@@ -145,7 +145,7 @@ ROWS: list[tuple[str, list[dict]]] = [
                      t(per_service(f'onecard_memory_budget_bytes{{{U}, budget="call"}}'), "{{service}} one call"),
                      t(f"sum(onecard_supervisor_rss_bytes{{{U}}})", "supervisor RSS")]},
         {"title": "Requests refused for memory (503 memory_busy)", "unit": "short", "w": 8,
-         "targets": [t(per_service(f"delta(onecard_memory_refused{{{U}}}[{RATE}])"), "{{service}}")]},
+         "targets": [t(per_service(f"increase(onecard_memory_refused_total{{{U}}}[{RATE}])"), "{{service}}")]},
     ]),
     ("GPU", [
         {"title": "GPU memory of the card", "unit": "bytes", "w": 8,

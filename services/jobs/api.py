@@ -7,6 +7,7 @@ import json
 import math
 import re
 import time
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,7 +26,7 @@ from services.jobs.records import (
     request_digest,
     valid_id,
 )
-from services.jobs.results import StreamedBody, inline_parts
+from services.jobs.results import StreamedBody, first_piece, inline_parts
 from services.jobs.service import JobsService
 from services.runtime.edge.body import (
     read_body,  # 413 as soon as the size is known; a client gone mid-upload: ClientGone
@@ -164,19 +165,23 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
             wait_s = min(float(wait), settings.max_wait_s)
         if not valid_id(job_id):
             raise ApiError(404, "job_not_found", "no such job (ids are 32 hex digits)")
+        read = partial(svc.broker.result_chunk, job_id)
+        first = None
         try:
             fields = await svc.job(job_id, wait_s)
             size = await svc.broker.result_size(job_id) if want and fields and fields.get("state") == SUCCEEDED \
                 else None
+            if size is not None and (first := await first_piece(read, size)) is None:
+                size, fields = None, await svc.job(job_id, 0)  # it expired just now: the record may have too
         except QueueUnavailable as exc:
             raise unavailable(svc, exc) from None
         if fields is None:
             raise not_found(svc, job_id)
         head, tail, encode = inline_parts(public_view(fields), fields, size)
-        if size is None:
+        if size is None or first is None:
             return Response(head, media_type="application/json")
         release = stream_slot()
-        return StreamedBody(head, tail, size, lambda start, n: svc.broker.result_chunk(job_id, start, n), encode,
+        return StreamedBody(head, tail, size, first, read, encode,
                             "application/json", svc.cpu, settings.result_send_timeout_s, on_close=release)
 
     @app.get("/v1/jobs/{job_id}/result", summary="The service's answer: its bytes and content type",
@@ -190,18 +195,20 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
                            {"Retry-After": str(settings.retry_after_s)})
         if state == CANCELLED:
             raise ApiError(409, "job_cancelled", f"job {job_id} was cancelled")
+        read = partial(svc.broker.result_chunk, job_id)
         try:
             size = await svc.broker.result_size(job_id)
+            first = await first_piece(read, size) if size is not None else None
         except QueueUnavailable as exc:
             raise unavailable(svc, exc) from None
         status = int(fields.get("result_status") or 0)
-        if size is None or (state == FAILED and status < 400):
+        if size is None or first is None or (state == FAILED and status < 400):
             err = public_view(fields)["error"] or {}
             raise ApiError(409 if state == FAILED else 410, "job_failed" if state == FAILED else "result_expired",
                            f"job {job_id}: {err.get('message', 'no result')}")
         headers = json.loads(fields.get("result_headers") or "{}")
         release = stream_slot()
-        return StreamedBody(b"", b"", size, lambda start, n: svc.broker.result_chunk(job_id, start, n), False,
+        return StreamedBody(b"", b"", size, first, read, False,
                             fields.get("result_type") or "application/octet-stream", svc.cpu,
                             settings.result_send_timeout_s, {k: v for k, v in headers.items() if k == "x-seed"},
                             status or 200, on_close=release)

@@ -52,15 +52,25 @@ def inline_parts(view: dict[str, Any], fields: dict[str, str], size: int | None)
     return head + text[:cut], text[cut:] + tail, True
 
 
+async def first_piece(read: Reader, size: int) -> bytes | None:
+    """The result's first piece, read before the answer starts; None when the result expired
+    since its size was read. A result of one piece (up to 192 KiB) is then sent whole or not
+    at all: a poll at the moment it expires gets an answer without it, never a cut one."""
+    want = min(PIECE, size)
+    piece = await read(0, want) if want else b""
+    return piece if len(piece) == want else None
+
+
 class StreamedBody(Response):
     """An ASGI response: head, the stored result in pieces (base64 or as is), tail. A
-    client that takes no piece within the send deadline is cut off; a result that expires
-    mid-way ends the connection short of its Content-Length, which the client sees."""
+    client that takes no piece within the send deadline is cut off; a result of several
+    pieces that expires mid-way ends the connection short of its Content-Length, which the
+    client sees (the first piece is read before the answer starts: see first_piece)."""
 
-    def __init__(self, head: bytes, tail: bytes, size: int, read: Reader, encode: bool, media_type: str,
+    def __init__(self, head: bytes, tail: bytes, size: int, first: bytes, read: Reader, encode: bool, media_type: str,
                  cpu: Callable[..., Awaitable[Any]], send_timeout_s: float, headers: dict[str, str] | None = None,
                  status: int = 200, on_close: Callable[[], None] | None = None):
-        self.head, self.tail, self.size, self.read, self.encode = head, tail, size, read, encode
+        self.head, self.tail, self.size, self.first, self.read, self.encode = head, tail, size, first, read, encode
         self.media_type, self.cpu, self.send_timeout_s = media_type, cpu, send_timeout_s
         self.extra_headers, self.status_code, self.on_close = headers or {}, status, on_close
         self.background = None  # what FastAPI attaches its background tasks to
@@ -72,7 +82,7 @@ class StreamedBody(Response):
             yield self.head
         done = 0
         while done < self.size:
-            piece = await self.read(done, min(PIECE, self.size - done))
+            piece = self.first if done == 0 else await self.read(done, min(PIECE, self.size - done))
             if not piece:
                 raise ConnectionAbortedError("the result expired while it was sent")
             done += len(piece)

@@ -179,8 +179,6 @@ def test_counts_and_products_are_refused_before_anything_is_decoded(unit):
     assert s == 200, body[:300]  # the next ordinary request is served
 
 
-@pytest.mark.xfail(strict=True, reason="codec.probe_image calls Pillow's getexif(), which makes PngImageFile "
-                   "decode the whole picture (PngImageFile.getexif -> load) before the cost is checked")
 def test_a_request_refused_for_its_cost_decodes_no_picture(unit):
     pid = unit.pids["img2img"]
     bomb = b64(I.flat_png(6324, 6324))
@@ -203,8 +201,6 @@ def test_the_options_store_is_bounded(unit):
     assert r.status_code == 200 and len(r.content) <= 2**20 + 4096
 
 
-@pytest.mark.xfail(strict=True, reason="jobs api.get_job rebuilds the whole document per poll (render_result: "
-                   "base64, then json.dumps) and keeps each copy until it is sent; nothing caches or streams it")
 def test_polls_of_a_big_result_hold_one_encoded_copy(unit):
     jobs = unit.url("jobs")
     picture = I.noisy_png(1600, 1600, 1.0)  # incompressible: the result is about as big
@@ -228,8 +224,6 @@ def test_polls_of_a_big_result_hold_one_encoded_copy(unit):
     assert peak.peak - base < 6 * answer, (peak.peak - base, answer)  # 24 copies now
 
 
-@pytest.mark.xfail(strict=True, reason="jobs api.submit reads every body whole (read_body without a hold) and "
-                   "parses it before any admission: bodies in flight are bounded by nothing")
 def test_big_submits_are_admitted_against_the_jobs_budget_before_their_bodies(unit):
     body = b'{"service": "detect", "route": "/api/v1/facedetect", "image": "' + b"A" * 29_999_900 + b'"}'
     pid, budget = unit.pids["jobs"], unit.budget("jobs")
@@ -350,9 +344,6 @@ def test_a_body_in_one_byte_chunks_is_cut(unit):
     assert s == 413, body[:200]
 
 
-@pytest.mark.xfail(strict=True, reason="Pillow warns once per skipped EXIF tag (TiffImagePlugin: 'Tag data larger "
-                   "than file. Skipping tag N'); the services print every warning: one picture writes megabytes "
-                   "of log through the supervisor")
 def test_an_exif_bomb_writes_no_log_flood(unit):
     before = unit.log_size()
     s, body = post(unit.ports["detect"], "/api/v1/facedetect", I.exif_bomb_png(60_000), "image/png")

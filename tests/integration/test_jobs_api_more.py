@@ -127,7 +127,7 @@ def test_a_failed_attempt_is_retried_after_its_backoff(tmp_path):
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "supervisor.cli", "jobs", "redrive", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "supervisor", "jobs", "redrive", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
 
 

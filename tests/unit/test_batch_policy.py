@@ -187,3 +187,20 @@ def test_the_last_client_of_a_full_call_is_waited_for_even_when_calls_alternated
         policy.history.arrived(t + 0.030 + 0.0065 * i, 1, "k")
     d = policy.decide(t + 0.062, 7, "k", 0.062, 0.032, [], seconds_of(c))
     assert 0.010 < d.wait_s < 0.020, d
+
+
+def test_long_after_the_model_freed_up_past_cycles_say_nothing():
+    """Requests used to come in bursts of four, 2 s apart: after each free moment, three more
+    followed 2 s later. A lone request arriving 2 s after the model freed up must not wait for
+    the next burst on that evidence: that long after, the cycle is over."""
+    c = curve(*SD)
+    policy = BatchPolicy(8, None)
+    t = 100.0
+    for _ in range(20):
+        policy.history.model_freed(t, 4)
+        policy.history.arrived(t + 2.0, 1, "k")
+        policy.history.arrived(t + 2.3, 3, "k")
+        t += 3.0
+    policy.history.model_freed(t, 4)
+    policy.history.arrived(t + 2.0, 1, "k")
+    assert policy.decide(t + 2.0, 1, "k", 2.0, 0.0, [], seconds_of(c)).wait_s == 0.0

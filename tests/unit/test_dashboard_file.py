@@ -61,7 +61,7 @@ def test_every_subject_has_its_panel():
             "onecard_requests_total", "onecard_request_duration_seconds_bucket", "onecard_stage_seconds",
             "onecard_batch_size_bucket", "onecard_batch_wait_seconds", "onecard_batch_cost_seconds",
             "onecard_queue_depth", "onecard_in_flight", "onecard_memory_held_bytes", "onecard_memory_budget_bytes",
-            "onecard_memory_refused", "onecard_service_rss_bytes", "onecard_gpu_memory_used_bytes",
+            "onecard_memory_refused_total", "onecard_service_rss_bytes", "onecard_gpu_memory_used_bytes",
             "onecard_gpu_memory_total_bytes", "onecard_gpu_memory_bytes", "onecard_cpu_throttled_share_1m",
             "onecard_service_cpu_seconds_total", "onecard_cpu_quota_cpus", "onecard_service_exits_total",
             "onecard_ready", "onecard_service_state", "onecard_connections_refused_total",

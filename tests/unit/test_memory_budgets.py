@@ -9,9 +9,9 @@ import threading
 import pytest
 
 from common import hostmemory as memory
+from services.runtime.errors import ApiError
 from services.runtime.pipeline.budgets import Charge, HeldMemory, plan_budgets, service_memory
 from services.runtime.pipeline.cost import RequestCost, ServiceCost
-from services.runtime.errors import ApiError
 
 GIB = 2**30
 
@@ -130,3 +130,64 @@ def test_a_request_cost_is_the_product_of_its_figures_not_each_figure_alone():
     assert estimate.held_bytes == 3 * (512 * 512 + 2 * 512 * 512 + 2 * 512 * 512) + estimate.output_bytes
     assert service.held.used == estimate.held_bytes
     assert estimate.call_bytes == int(1.25 * 100 * 512 * 512)
+
+
+def test_a_request_that_does_not_fit_waits_its_turn_and_gets_the_room_first_come_first_served():
+    import asyncio
+
+    from services.runtime.pipeline.budgets import MemoryWait
+
+    async def main():
+        ledger = HeldMemory(1000)
+        running = Charge(ledger)
+        running.hold(800)
+        big, small = Charge(ledger), Charge(ledger)
+        with pytest.raises(MemoryWait) as wait:
+            big.hold(600, "big", wait=True)
+        assert wait.value.needed == 600
+        order = []
+
+        async def waiter(charge, n, name):
+            await ledger.wait_for(charge, n, name, timeout=5)
+            order.append(name)
+
+        first = asyncio.ensure_future(waiter(big, 600, "big"))
+        await asyncio.sleep(0.01)
+        with pytest.raises(MemoryWait):
+            small.hold(100, "small", wait=True)   # would fit, but the line is first come, first served
+        second = asyncio.ensure_future(waiter(small, 100, "small"))
+        await asyncio.sleep(0.01)
+        assert order == [] and ledger.used == 800
+        running.close()                           # the room comes back: the line is served in order
+        await asyncio.gather(first, second)
+        assert order == ["big", "small"] and big.bytes == 600 and small.bytes == 100 and ledger.used == 700
+        late = Charge(ledger)
+        with pytest.raises(ApiError) as err:      # not its turn before its deadline: 503
+            await ledger.wait_for(late, 400, "late", timeout=0.05)
+        assert (err.value.status, err.value.code) == (503, "memory_busy") and late.bytes == 0
+        assert ledger.waited == 3 and ledger.refused == 1 and ledger.used == 700
+        small.close()
+        big.close()
+        assert ledger.used == 0
+
+    asyncio.run(main())
+
+
+def test_a_waiter_whose_client_leaves_is_out_of_the_line_and_does_not_block_it():
+    import asyncio
+
+    async def main():
+        ledger = HeldMemory(1000)
+        holder = Charge(ledger)
+        holder.hold(900)
+        gone, next_one = Charge(ledger), Charge(ledger)
+        leaving = asyncio.ensure_future(ledger.wait_for(gone, 500, "gone", timeout=5))
+        await asyncio.sleep(0.01)
+        staying = asyncio.ensure_future(ledger.wait_for(next_one, 50, "next", timeout=5))
+        await asyncio.sleep(0.01)
+        leaving.cancel()                          # the client left while waiting
+        await asyncio.gather(leaving, return_exceptions=True)
+        await asyncio.wait_for(staying, 1)        # 50 fit beside the 900: served once the line moves
+        assert gone.bytes == 0 and next_one.bytes == 50 and ledger.used == 950
+
+    asyncio.run(main())

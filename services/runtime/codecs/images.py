@@ -16,6 +16,7 @@ its executor, never on the event loop.
 from __future__ import annotations
 
 import io
+import warnings
 from dataclasses import dataclass
 
 import cv2
@@ -32,6 +33,11 @@ OUTPUT_FORMATS = {"png": ("PNG", "image/png"), "jpeg": ("JPEG", "image/jpeg"), "
 MIME_TO_FORMAT = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg", "image/webp": "webp"}
 # our own pixel check runs first; PIL's must not raise a different error for the same thing
 Image.MAX_IMAGE_PIXELS = None
+# a caller's EXIF block with thousands of broken tags makes Pillow warn once per tag: that
+# is the caller's data, not the service's log (26 MB of log for 17 requests, and a registry
+# of warnings that grows)
+warnings.filterwarnings("ignore", module=r"PIL\.")
+MAX_EXIF_BYTES = 64 * 1024  # a JPEG's APP1 segment cannot be larger; PNG and WebP are held to the same
 # a caller's broken file is a 400, not a line in the service's log (a flood of them would be a log flood)
 cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
 _SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"BM")
@@ -75,11 +81,12 @@ def probe_image(data: bytes, limits: DecodeLimits) -> ImageHeader:
     """Format, size and orientation from the header; 413 for what would cost too much to decode."""
     if not data:
         raise ApiError(400, "empty_image", "the image is empty")
+    png = None
     try:
         if data[:2] == b"\xff\xd8":
             jpeg.walk(data, limits.max_jpeg_scans, limits.max_image_markers)
         elif data[:8] == formats.PNG_SIGNATURE:
-            formats.walk_png(data, limits.max_image_markers)
+            png = formats.walk_png(data, limits.max_image_markers)
     except (jpeg.JpegLimitError, formats.FormatLimitError) as exc:
         raise ApiError(413, "image_too_complex", f"{exc}: decoding it would cost too much") from None
     try:
@@ -97,16 +104,33 @@ def probe_image(data: bytes, limits: DecodeLimits) -> ImageHeader:
         if width * height > limits.max_pixels:
             raise ApiError(413, "too_many_pixels",
                            f"{width}x{height} = {width * height} pixels is over the limit of {limits.max_pixels}")
-        try:
-            orientation = int(im.getexif().get(0x0112, 1))
-        except Exception:  # noqa: BLE001 - a broken EXIF block is not worth refusing the image for
-            orientation = 1
+        orientation = _orientation(im, png)
         fmt = im.format or ""
     if orientation not in range(1, 9):
         orientation = 1
     if orientation in (5, 6, 7, 8):
         width, height = height, width
     return ImageHeader(fmt, width, height, orientation)
+
+
+def _orientation(im: Image.Image, png: formats.PngShape | None) -> int:
+    """The EXIF orientation, read without decoding a pixel and within a size bound: a PNG's from
+    its eXIf chunk (Pillow's getexif() would decode the picture to look for one), a JPEG's or
+    WebP's from Pillow's header parse. An EXIF block over MAX_EXIF_BYTES, or a broken one, is
+    not worth refusing the picture for: orientation 1."""
+    try:
+        if png is not None:
+            if png.exif is None or len(png.exif) > MAX_EXIF_BYTES:
+                return 1
+            exif = Image.Exif()
+            exif.load(png.exif)
+            return int(exif.get(0x0112, 1))
+        raw = im.info.get("exif")
+        if isinstance(raw, bytes) and len(raw) > MAX_EXIF_BYTES:
+            return 1
+        return int(im.getexif().get(0x0112, 1))
+    except Exception:  # noqa: BLE001 - any EXIF failure is the caller's data, never a 5xx
+        return 1
 
 
 def reduction_for(header: ImageHeader, max_side: int | None) -> int:

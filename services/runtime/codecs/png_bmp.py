@@ -10,6 +10,7 @@ many tiny or ancillary chunks is a 413), a BMP's compression is read from its in
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY_CHUNK = 256          # IDAT split this fine is not what any encoder writes
@@ -21,13 +22,22 @@ class FormatLimitError(Exception):
         super().__init__(f"{what}: {count} is over the limit of {limit}")
 
 
-def walk_png(data: bytes, max_chunks: int) -> int:
-    """Count chunks; raise FormatLimitError when ancillary chunks or tiny image-data chunks
-    pass `max_chunks`. A malformed structure ends the walk: the decoder reports it."""
+@dataclass(frozen=True)
+class PngShape:
+    chunks: int
+    exif: bytes | None        # the eXIf chunk's content (a TIFF structure), if there is one
+
+
+def walk_png(data: bytes, max_chunks: int) -> PngShape:
+    """Count chunks and find the eXIf chunk; raise FormatLimitError when ancillary chunks or
+    tiny image-data chunks pass `max_chunks`. A malformed structure ends the walk: the
+    decoder reports it. (Pillow's own getexif() on a PNG whose eXIf chunk is not before the
+    image data decodes the whole picture to look for one.)"""
     if not data.startswith(PNG_SIGNATURE):
-        return 0
+        return PngShape(0, None)
     pos, n = len(PNG_SIGNATURE), len(data)
     ancillary = tiny = chunks = 0
+    exif = None
     while pos + 8 <= n:
         length, kind = struct.unpack_from(">I4s", data, pos)
         chunks += 1
@@ -42,8 +52,10 @@ def walk_png(data: bytes, max_chunks: int) -> int:
             ancillary += 1
             if ancillary > max_chunks:
                 raise FormatLimitError("PNG chunks", ancillary, max_chunks)
+            if kind == b"eXIf" and exif is None:
+                exif = data[pos + 8:pos + 8 + length]
         pos += 12 + length
-    return chunks
+    return PngShape(chunks, exif)
 
 
 def bmp_compression(data: bytes) -> str | None:

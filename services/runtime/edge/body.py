@@ -11,7 +11,7 @@ the loop (services.runtime.codecs.forms).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -37,10 +37,11 @@ def media_type_of(request: Request) -> str:
     return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
 
 
-async def read_body(request: Request, max_bytes: int, hold: Callable[[int], None] | None = None,
+async def read_body(request: Request, max_bytes: int, hold: Callable[[int], Awaitable[None] | None] | None = None,
                     max_json_items: int | None = None) -> bytes:
     """The whole body, within `max_bytes`. `hold(n)` is told how much is held as the body
-    arrives (never more than its declared length): it raises to refuse the rest. With
+    arrives (never more than its declared length): it raises to refuse the rest, or returns
+    an awaitable to wait for room before more is read. With
     `max_json_items`, a JSON body (application/json, +json) is refused with 413
     ``json_too_complex`` at the piece that takes it past that many items."""
     declared = request.headers.get("content-length")
@@ -65,7 +66,9 @@ async def read_body(request: Request, max_bytes: int, hold: Callable[[int], None
             buf += chunk
             if hold is not None and len(buf) > held:
                 held = max(len(buf), min(cap, len(buf) + max(HOLD_HEADROOM, len(buf) // 4)))
-                hold(held)
+                pending = hold(held)
+                if pending is not None:
+                    await pending
     except ClientDisconnect:  # left mid-upload (or cut at the body deadline): nobody to answer
         raise ClientGone() from None
     return bytes(buf)

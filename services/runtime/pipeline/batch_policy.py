@@ -143,7 +143,9 @@ class BatchPolicy:
         # at least as large (closed-loop clients come back after their answers: a cycle after
         # a call of 7 tells nothing of an 8th)
         already = self.history.arrived_since_free()
-        cycles = self.history.cycles(now, since_free + left)
+        # long after the model freed up, "what followed a free moment" is whatever came next,
+        # minutes later maybe: the cycles tell nothing then, only what is decoding does
+        cycles = self.history.cycles(now, since_free + left) if since_free <= self.cap(seconds) else []
         for j in range(1, self.max_batch - waiting + 1):
             cost_more = seconds(waiting + j)
             if cost_more is None:

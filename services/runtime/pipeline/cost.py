@@ -106,7 +106,8 @@ class ServiceCost:
                 "budgets": None if self.budgets is None else self.budgets.snapshot(),
                 "held_bytes": None if held is None else held.used,
                 "held_peak_bytes": None if held is None else held.peak,
-                "refused_for_memory": None if held is None else held.refused}
+                "refused_for_memory": None if held is None else held.refused,
+                "waited_for_memory": None if held is None else held.waited}
 
 
 class DryRunComplete(Exception):
@@ -157,7 +158,7 @@ class RequestCost:
                                f"this request would hold about {mib(held)} ({items} item(s), {input_pixels} pixels "
                                f"decoded, {output_pixels} produced, answer up to {mib(output_bytes)}); one request "
                                f"may hold {mib(budgets.request_bytes)}: send fewer or smaller pictures")
-        self.charge.hold(held)
+        self.charge.hold(held, wait=True)  # the pipeline waits its turn for the room (MemoryWait)
         if self.dry_run and dry_run_stops_here:
             raise DryRunComplete()
         return estimate

@@ -9,6 +9,7 @@ import collections
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 STAGE_BUCKETS = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -32,8 +33,8 @@ class PipelineMetrics:
                                    "The service's memory budgets: service, call (one model call), held (admitted "
                                    "requests together), request (one request).", ["budget"], registry=r)
         self.memory_held = Gauge("onecard_memory_held_bytes", "Memory admitted requests hold now.", registry=r)
-        self.memory_refused = Gauge("onecard_memory_refused", "Requests refused (503) because admitted requests held "
-                                    "the memory they needed.", registry=r)
+        self._ledger = None  # the cost model's HeldMemory, once planned: its counts are read at each scrape
+        r.register(_LedgerCounts(self))
         self.queue_depth = Gauge("onecard_queue_depth", "Admitted requests not yet on the model.", registry=r)
         self.in_flight = Gauge("onecard_in_flight", "Items on the model now.", registry=r)
         self.gpu_memory = Gauge("onecard_gpu_memory_bytes", "GPU memory this service holds (self-reported).",
@@ -72,7 +73,7 @@ class PipelineMetrics:
                 self.memory_budget.labels(name).set(value)
         if cost.held is not None:
             self.memory_held.set(cost.held.used)
-            self.memory_refused.set(cost.held.refused)
+            self._ledger = cost.held
 
     def latency_percentiles(self) -> tuple[float | None, float | None]:
         with self._lock:
@@ -83,3 +84,21 @@ class PipelineMetrics:
         def q(p: float) -> float:
             return data[min(len(data) - 1, int(round(p * (len(data) - 1))))]
         return q(0.5), q(0.99)
+
+
+class _LedgerCounts:
+    """Counters the memory ledger keeps itself (requests that waited their turn for memory, and
+    those refused at their deadline), exposed as Prometheus counters."""
+
+    def __init__(self, metrics: PipelineMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        ledger = self.metrics._ledger
+        for name, attr, text in (
+                ("onecard_memory_waited", "waited", "Requests that waited their turn for memory others held."),
+                ("onecard_memory_refused", "refused", "Requests refused (503 memory_busy) because the memory they "
+                                                      "needed was not handed back before their deadline.")):
+            family = CounterMetricFamily(name, text)
+            family.add_metric([], getattr(ledger, attr) if ledger is not None else 0)
+            yield family

@@ -30,6 +30,7 @@ from services.runtime.edge.body import query_params, read_body
 from services.runtime.errors import ApiError, error_responses
 from services.runtime.pipeline.admission import Admission
 from services.runtime.pipeline.backend import Backend
+from services.runtime.pipeline.budgets import MemoryWait
 from services.runtime.pipeline.cost import DryRunComplete, RequestCost
 from services.runtime.pipeline.cpu_pool import CpuPool, cpu_pool_size
 from services.runtime.pipeline.held_response import HeldResponse
@@ -118,11 +119,12 @@ class ModelPipeline:
         charge = scheduler.cost.new_charge()
         ticket = None
         try:
-            # The body first (its bytes charged to the memory ledger as they arrive), the queue
-            # slot once it is all here: uploads still arriving, slowly or on purpose, hold no slot
-            # of max_queue, and the slot is still taken before anything is decoded.
-            body = await read_body(request, self.settings.max_body_bytes, lambda n: charge.hold(n, "the body"),
-                                   self.settings.max_json_items)
+            # The body first (its bytes charged to the memory ledger as they arrive, waiting their
+            # turn when others hold the room), the queue slot once it is all here: uploads still
+            # arriving, slowly or on purpose, hold no slot of max_queue, and the slot is still
+            # taken before anything is decoded.
+            body = await read_body(request, self.settings.max_body_bytes,
+                                   lambda n: self._hold_body(charge, n, timing), self.settings.max_json_items)
             ticket = self.admission.admit()
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.scope["headers"]}
             ctype = headers.get("content-type", "")
@@ -168,12 +170,27 @@ class ModelPipeline:
                 ticket.release()
         return self._respond(reply, timing, charge)
 
+    async def _hold_body(self, charge, n: int, timing: Timing) -> None:
+        """The body holds `n` bytes from now; when others hold the room it waits its turn
+        (first come, first served, until the request's deadline) while the client's bytes wait
+        in the socket."""
+        try:
+            charge.hold(n, "the body", wait=True)
+        except MemoryWait as wait:
+            left = timing.t0 + self.settings.request_timeout_s - time.perf_counter()
+            await self.scheduler.cost.held.wait_for(charge, wait.needed, wait.what, left)
+
     async def _decode(self, route: ModelRoute, raw: RawRequest, timing: Timing) -> Work | None:
         token = object()
         self.scheduler.decoding_started(token)
         t0 = time.perf_counter()
         try:
-            return await self.cpu.run(route.decode, raw)
+            while True:
+                try:
+                    return await self.cpu.run(route.decode, raw)
+                except MemoryWait as wait:  # others hold the room: wait its turn, then decode again
+                    left = timing.t0 + self.settings.request_timeout_s - time.perf_counter()
+                    await self.scheduler.cost.held.wait_for(raw.cost.charge, wait.needed, wait.what, left)
         except DryRunComplete:
             return None
         finally:

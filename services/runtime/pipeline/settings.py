@@ -47,6 +47,12 @@ class ModelServiceSettings(ServiceSettings):
         description="working memory one model call may use (on a GPU: the planned GPU budget minus the weights); "
                     "default: half of what the service budget leaves after load and warm-up. Batches are formed "
                     "to fit; an item that alone does not fit gets 413")
+    max_held_bytes: int | None = Field(
+        None, ge=2**20, le=2**50,
+        description="what admitted requests may hold together (bodies, decoded pictures, results, answers until "
+                    "read); default: what the service budget leaves after load, warm-up and one model call. A "
+                    "request that does not fit waits its turn (first come, first served) until its deadline, then "
+                    "503 memory_busy")
     max_request_bytes: int | None = Field(
         None, ge=2**20, le=2**50,
         description="what one request may hold at its peak (body, decoded pictures, results, the encoded answer "

@@ -120,7 +120,8 @@ class ModelPart(ServicePart):
             if card:
                 gpu_call = max(0, card - held_on_card)
         budgets = plan_budgets(total, baseline, source=source, batch_bytes=s.max_call_memory_bytes,
-                               request_bytes=s.max_request_bytes, gpu_batch_bytes=gpu_call)
+                               request_bytes=s.max_request_bytes, held_bytes=s.max_held_bytes,
+                               gpu_batch_bytes=gpu_call)
         cost.budgets = budgets
         cost.held = HeldMemory(budgets.held_bytes, s.retry_after_s)
         log.info("%s memory: %s", self.name, budgets.snapshot())
