@@ -59,7 +59,7 @@ def parse_envelope(raw: bytes, max_depth: int, max_items: int | None = None) -> 
     (the runtime's own parser: no RecursionError), 422 for NaN or infinite numbers and
     wrong types."""
     if max_items is not None:
-        check_json_items(raw, max_items)
+        check_json_items(raw, max_items, max_depth)
     doc = parse_json(raw, max_depth)
     if not isinstance(doc, dict):
         raise ApiError(422, "invalid_parameter", "body: expected a JSON object")

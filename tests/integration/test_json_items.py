@@ -62,3 +62,10 @@ def test_only_json_bodies_are_counted(svc):
     text = ", ".join(["word"] * (MAX_ITEMS * 4))  # far more commas than items allowed
     r = svc.client.post("/api/v1/words", content=text.encode(), headers={"content-type": "text/plain"})
     assert r.status_code == 200, r.text
+
+
+def test_a_document_nested_deeper_than_the_depth_limit_is_400_however_deep(svc):
+    for depth in (40, 40_000):  # under and over the item count: one answer for one class of body
+        body = b'{"text": "x", "pad": ' + b"[" * depth + b"]" * depth + b"}"
+        r = post_json(svc, "/api/v1/words", body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "json_too_deep", (depth, r.text)

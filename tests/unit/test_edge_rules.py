@@ -11,7 +11,7 @@ import pytest
 from services.jobs.payload import Limits, digest_submit
 from services.runtime.edge.body_pace import CHUNK_GRACE, BodyRate, chunks_too_small
 from services.runtime.edge.connection_room import ConnectionRoom
-from services.runtime.edge.json_items import JsonItemCounter, check_json_items, structural_bytes
+from services.runtime.edge.json_items import JsonItemCounter, check_json_items, nests_deeper_than, structural_bytes
 from services.runtime.errors import ApiError
 
 
@@ -193,3 +193,23 @@ def test_the_jobs_envelope_is_counted_before_it_is_parsed():
     assert not refused.parsed
     parsed = digest_submit(raw, 33, Limits(10**6, 10**6), 10_000)
     assert parsed.error is None or parsed.error[1] != "json_too_complex"
+
+
+def test_a_deep_document_past_the_items_limit_is_too_deep_not_too_complex():
+    """The same class of body gets the same answer: 40 000 nested brackets are refused by the
+    item count, and answered as the depth limit answers a small deep document."""
+    deep = b'{"a": ' + b"[" * 40_000 + b"]" * 40_000 + b"}"
+    with pytest.raises(ApiError) as exc:
+        check_json_items(deep, 10_000, 16)
+    assert (exc.value.status, exc.value.code) == (400, "json_too_deep")
+    counter = JsonItemCounter(10_000, 16)
+    with pytest.raises(ApiError) as exc:
+        for i in range(0, len(deep), 4096):
+            counter.feed(deep[i:i + 4096], deep[:i])
+    assert (exc.value.status, exc.value.code) == (400, "json_too_deep")
+    flat = b"[" + b"[]," * 20_000 + b"[]]"  # wide, two levels: too complex, not too deep
+    with pytest.raises(ApiError) as exc:
+        check_json_items(flat, 10_000, 16)
+    assert (exc.value.status, exc.value.code) == (413, "json_too_complex")
+    assert not nests_deeper_than(b'["[[[[[[[[[[", "\\"[[[["]', 1)  # brackets in strings are text
+    assert nests_deeper_than(b'{"a":' * 17, 16)  # an unclosed bracket is a level that never ends

@@ -38,12 +38,13 @@ def media_type_of(request: Request) -> str:
 
 
 async def read_body(request: Request, max_bytes: int, hold: Callable[[int], Awaitable[None] | None] | None = None,
-                    max_json_items: int | None = None) -> bytes:
+                    max_json_items: int | None = None, max_json_depth: int | None = None) -> bytes:
     """The whole body, within `max_bytes`. `hold(n)` is told how much is held as the body
     arrives (never more than its declared length): it raises to refuse the rest, or returns
     an awaitable to wait for room before more is read. With
     `max_json_items`, a JSON body (application/json, +json) is refused with 413
-    ``json_too_complex`` at the piece that takes it past that many items."""
+    ``json_too_complex`` at the piece that takes it past that many items (400 ``json_too_deep``
+    when it nests deeper than `max_json_depth` too)."""
     declared = request.headers.get("content-length")
     cap = max_bytes
     if declared is not None:
@@ -53,7 +54,7 @@ async def read_body(request: Request, max_bytes: int, hold: Callable[[int], Awai
             raise ApiError(413, "body_too_large", f"body of {declared} bytes is over the limit of {max_bytes}",
                            CLOSE)
         cap = int(declared)
-    items = JsonItemCounter(max_json_items) if max_json_items is not None and is_json_media(
+    items = JsonItemCounter(max_json_items, max_json_depth) if max_json_items is not None and is_json_media(
         media_type_of(request)) else None
     held = 0
     buf = bytearray()
@@ -62,7 +63,7 @@ async def read_body(request: Request, max_bytes: int, hold: Callable[[int], Awai
             if len(buf) + len(chunk) > max_bytes:
                 raise ApiError(413, "body_too_large", f"body is over the limit of {max_bytes} bytes", CLOSE)
             if items is not None:
-                items.feed(chunk)
+                items.feed(chunk, buf)
             buf += chunk
             if hold is not None and len(buf) > held:
                 held = max(len(buf), min(cap, len(buf) + max(HOLD_HEADROOM, len(buf) // 4)))

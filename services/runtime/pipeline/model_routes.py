@@ -124,7 +124,8 @@ class ModelPipeline:
             # arriving, slowly or on purpose, hold no slot of max_queue, and the slot is still
             # taken before anything is decoded.
             body = await read_body(request, self.settings.max_body_bytes,
-                                   lambda n: self._hold_body(charge, n, timing), self.settings.max_json_items)
+                                   lambda n: self._hold_body(charge, n, timing), self.settings.max_json_items,
+                                   self.settings.max_json_depth)
             ticket = self.admission.admit()
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.scope["headers"]}
             ctype = headers.get("content-type", "")
