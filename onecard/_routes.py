@@ -144,8 +144,11 @@ class Service:
         return await self._part.pipeline.cpu.run(fn, *args)
 
     async def read_body(self, request: HttpRequest, max_bytes: int | None = None) -> bytes:
-        """A plain route's body, within max_bytes (default max_body_bytes): 413 beyond."""
-        return await read_body(request, max_bytes or self.settings.max_body_bytes)
+        """A plain route's body, within max_bytes (default max_body_bytes): 413 beyond, and 413
+        for a JSON body over max_json_items items (counted before it is parsed)."""
+        return await read_body(request, max_bytes or self.settings.max_body_bytes,
+                               max_json_items=self.settings.max_json_items,
+                               max_json_depth=self.settings.max_json_depth)
 
     def parse_json(self, body: bytes) -> Any:
         """JSON within the service's depth limit, numbers finite (CPU work: in run_cpu)."""

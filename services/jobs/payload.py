@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.jobs.settings import valid_route
 from services.runtime.codecs.forms import parse_json
+from services.runtime.edge.json_items import check_json_items
 from services.runtime.errors import ApiError
 
 SERVICE_RE = r"^[a-z][a-z0-9_-]{0,31}$"  # pydantic's (Rust) regex: "$" is the very end
@@ -52,9 +53,13 @@ class Limits:
     max_body_bytes: int | None = None   # the target service's own body limit, when known
 
 
-def parse_envelope(raw: bytes, max_depth: int) -> SubmitRequest:
-    """The submit, validated: 400 for JSON nested deeper than ``max_depth`` (the runtime's
-    own parser: no RecursionError), 422 for NaN or infinite numbers and wrong types."""
+def parse_envelope(raw: bytes, max_depth: int, max_items: int | None = None) -> SubmitRequest:
+    """The submit, validated: 413 for JSON of over ``max_items`` items (counted before it is
+    parsed, as every service's bodies are), 400 for JSON nested deeper than ``max_depth``
+    (the runtime's own parser: no RecursionError), 422 for NaN or infinite numbers and
+    wrong types."""
+    if max_items is not None:
+        check_json_items(raw, max_items, max_depth)
     doc = parse_json(raw, max_depth)
     if not isinstance(doc, dict):
         raise ApiError(422, "invalid_parameter", "body: expected a JSON object")
@@ -240,10 +245,10 @@ class Digest:
         check_body_size(len(self.body), limits)
 
 
-def digest_submit(raw: bytes, max_depth: int, limits: Limits) -> Digest:
+def digest_submit(raw: bytes, max_depth: int, limits: Limits, max_items: int | None = None) -> Digest:
     d = Digest()
     try:
-        req = parse_envelope(raw, max_depth)
+        req = parse_envelope(raw, max_depth, max_items)
         d.parsed, d.service, d.route, d.model, d.priority = True, req.service, req.route, req.model, req.priority
         body = service_body(req)
         d.images = check_images(body, limits)

@@ -207,7 +207,8 @@ class JobsService:
     async def digest(self, raw: bytes) -> Digest:
         """The submit parsed and checked with the unit's own limits (digest_submit)."""
         limits = Limits(self.settings.max_image_bytes, self.settings.max_pixels)
-        return await self.heavy(len(raw), digest_submit, raw, self.settings.max_json_depth, limits)
+        return await self.heavy(len(raw), digest_submit, raw, self.settings.max_json_depth, limits,
+                                self.settings.max_json_items)
 
     async def is_json(self, data: bytes) -> bool:
         return await self.heavy(len(data), is_json_document, data)

@@ -26,7 +26,9 @@ class ServiceSettings(BaseModel):
 
     # ---- connections and protocol (services.runtime.edge) --------------------------------
     max_connections: int = Field(512, ge=1, le=1_000_000,
-                                 description="open client connections; beyond, new ones get 503 and are closed")
+                                 description="open client connections; a newcomer beyond takes the place of the "
+                                 "longest idle one (or the oldest unfinished head), and gets 503 only when every "
+                                 "connection has a request in progress")
     max_header_bytes: int = Field(16 * 1024, ge=1024, le=2**20,
                                   description="request line plus headers; beyond: 431 and the connection is closed")
     header_timeout_s: float = Field(10.0, gt=0, le=3600, allow_inf_nan=False,
@@ -34,6 +36,14 @@ class ServiceSettings(BaseModel):
                                                 "then 408")
     body_timeout_s: float = Field(60.0, gt=0, le=3600, allow_inf_nan=False,
                                   description="time to receive a whole request body; then 408")
+    min_body_rate_bytes_s: int = Field(64 * 1024, ge=0, le=2**31,
+                                       description="a body arriving slower than this on average (after "
+                                       "body_rate_grace_s) gets 408 and the connection is closed (0: no minimum)")
+    body_rate_grace_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False,
+                                     description="time a body may take before min_body_rate_bytes_s applies")
+    min_body_chunk_bytes: int = Field(1024, ge=0, le=2**20,
+                                      description="a chunked body whose chunks average fewer bytes than this "
+                                      "after its first 1024 chunks gets 413 (0: no minimum)")
     keepalive_timeout_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False,
                                        description="an idle kept-alive connection is closed after this")
     send_timeout_s: float = Field(30.0, gt=0, le=3600, allow_inf_nan=False,
@@ -48,6 +58,9 @@ class ServiceSettings(BaseModel):
     # ---- request bodies ------------------------------------------------------------------
     max_body_bytes: int = Field(20 * 2**20, ge=1024, le=2**31, description="larger bodies get 413")
     max_json_depth: int = Field(32, ge=2, le=1000, description="deeper JSON bodies get 400")
+    max_json_items: int = Field(10_000, ge=16, le=100_000_000,
+                                description="arrays, objects and elements a JSON body may hold (counted by its "
+                                "'[', '{' and ',' bytes before parsing, strings included); beyond: 413")
     retry_after_s: int = Field(1, ge=0, le=3600, description="Retry-After on 503")
 
     # ---- auth ----------------------------------------------------------------------------

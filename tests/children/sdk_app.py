@@ -7,6 +7,7 @@ POST /api/v1/tint (a picture; params: tag, sleep, mode): the model sleeps `sleep
 raises from decode. The answer: the picture's mean color and size (JSON), or the picture
 itself with ?answer=image (format from Accept). POST /api/v1/words (text/plain or JSON
 {"text": ...}): a second model route without pictures. GET /record: what the model saw.
+POST /notes (JSON): a plain route that reads and parses its body with the Service's helpers.
 Settings: its own `greeting` key besides onecard's.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 from pydantic import Field
+from starlette.requests import Request as HttpRequest
 
 import onecard
 
@@ -110,6 +112,12 @@ class Tint(onecard.Model):
         @service.app.get("/record")
         async def record() -> dict[str, Any]:
             return {"calls": self.calls, "stopped": self.stopped, "device": self.device_seen}
+
+        @service.app.post("/notes")
+        async def notes(request: HttpRequest) -> dict[str, Any]:
+            body = await service.read_body(request)
+            doc = await service.run_cpu(service.parse_json, body)
+            return {"keys": len(doc) if isinstance(doc, dict) else None}
 
 
 create_app = onecard.serve(Tint, route="/api/v1/tint")

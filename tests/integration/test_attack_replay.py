@@ -282,9 +282,6 @@ def test_an_endless_header_is_cut_at_once_on_every_port(unit):
 
 
 # ---- our own classes -----------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="services.runtime.body.parse_json runs json.loads on any body under "
-                   "max_body_bytes: 3 bytes of '[]' become 56 bytes parsed, and the parse holds the GIL throughout "
-                   "(18 MB: 460 MB and seconds of a frozen loop and probe listener; the soak's unit exited 4)")
 def test_json_of_millions_of_empty_containers_is_refused_before_parsing(unit):
     body = I.tiny_containers_json(3_000_000)
     for name, path in (("detect", "/api/v1/facedetect"), ("img2img", WEBUI), ("jobs", "/v1/jobs")):
@@ -304,10 +301,6 @@ def test_numbers_at_the_edges_are_4xx(unit):
             assert s in (400, 422), (name, raw_number[:10], s, body[:200])
 
 
-@pytest.mark.xfail(strict=True, reason="services.runtime.pipeline admits a request (one of max_queue slots, and its "
-                   "declared length in the memory ledger via read_body's hold) when its head arrives: uploads that "
-                   "trickle hold the slots and the budget for body_timeout_s, every other request gets 503 "
-                   "overloaded or memory_busy")
 def test_slow_uploads_do_not_lock_out_other_clients(unit):
     head = (b"POST /api/v1/img2img?style=3 HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
             b"Content-Length: 20000000\r\n\r\n")
@@ -325,9 +318,6 @@ def test_slow_uploads_do_not_lock_out_other_clients(unit):
             sock.close()
 
 
-@pytest.mark.xfail(strict=True, reason="the public port refuses new connections at max_connections (503 "
-                   "too_many_connections) instead of making room by closing the longest-idle one, as the probe "
-                   "port does: clients that send nothing take /healthz away")
 def test_idle_connections_do_not_take_the_public_healthz_away(unit):
     holders = Holders(unit.ports["detect"], b"", 600)
     try:

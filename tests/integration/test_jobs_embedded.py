@@ -306,15 +306,17 @@ def test_probes_answer_on_the_private_socket_while_clients_hold_every_connection
     port: clients holding every public connection cannot make a working unit look dead."""
     sock_dir = tempfile.mkdtemp(prefix="oc-", dir="/tmp")  # a unix socket path must stay short
     u = Unit(tmp_path, "held", targets={"scripted": (TARGET_APP, {"model": "m1", "dry_run": True})},
-             max_connections=4, header_timeout_s=120)
+             max_connections=4, body_timeout_s=120, min_body_rate_bytes_s=0)
     path = os.path.join(sock_dir, "jobs.sock")
     u.jobs.env.update(ONECARD_PROBE_SOCKET=path, ONECARD_INSTANCE_TOKEN="tok-jobs")
     held = []
     try:
         start_units(u)
-        for _ in range(4):  # every connection the public port allows, each mid-request
+        for _ in range(4):  # every connection the public port allows, each mid-body (a request in
+            # progress: never closed to make room for a newcomer, as an idle one or a head would be)
             s = socket.create_connection(("127.0.0.1", u.jobs.port))
-            s.sendall(b"GET /v1/jobs/x HTTP/1.1\r\nHost: x\r\n")
+            s.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{")
             held.append(s)
         deadline = time.monotonic() + 10
         while True:  # the public port is full: a newcomer is refused

@@ -1,16 +1,21 @@
 """Request bodies read within limits on the event loop, and the query string.
 
 Reading only moves bytes: 413 as soon as the size is known to be over the limit, declared
-or chunked, and the memory ledger is told what the body will hold before it is read.
-Parsing is CPU work and runs off the loop (services.runtime.codecs.forms).
+or chunked. The memory ledger is told what the body holds as its bytes arrive (with a
+little headroom), not what it declares: an upload that trickles holds what it has sent,
+not the 20 MB it announced. A JSON body's items are counted as it arrives (a few byte
+counts per piece, services.runtime.edge.json_items), so a document that would cost far
+more parsed than sent is refused before it is parsed. Parsing is CPU work and runs off
+the loop (services.runtime.codecs.forms).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from starlette.requests import ClientDisconnect, Request
 
+from services.runtime.edge.json_items import CLOSE, JsonItemCounter, is_json_media
 from services.runtime.errors import ApiError, ClientGone
 
 
@@ -23,34 +28,48 @@ def query_params(request: Request) -> dict[str, str]:
     return out
 
 
-HOLD_STEP = 1 << 20  # a chunked body's holding is raised a megabyte at a time
-# A body refused unread keeps arriving, and the edge closes a connection whose body runs far
-# past the limit: the client is told, so that it does not send its next request on it.
-CLOSE = {"Connection": "close"}
+# The ledger is raised ahead of the bytes by a quarter of what arrived (at least this much):
+# a few calls for a big body, and a connection that sent little holds little.
+HOLD_HEADROOM = 64 * 1024
 
 
-async def read_body(request: Request, max_bytes: int, hold: Callable[[int], None] | None = None) -> bytes:
-    """The whole body, within `max_bytes`. `hold(n)` is told how much is held before it is
-    read (the declared length) or as it grows (chunked): it raises to refuse the rest."""
+def media_type_of(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+
+
+async def read_body(request: Request, max_bytes: int, hold: Callable[[int], Awaitable[None] | None] | None = None,
+                    max_json_items: int | None = None, max_json_depth: int | None = None) -> bytes:
+    """The whole body, within `max_bytes`. `hold(n)` is told how much is held as the body
+    arrives (never more than its declared length): it raises to refuse the rest, or returns
+    an awaitable to wait for room before more is read. With
+    `max_json_items`, a JSON body (application/json, +json) is refused with 413
+    ``json_too_complex`` at the piece that takes it past that many items (400 ``json_too_deep``
+    when it nests deeper than `max_json_depth` too)."""
     declared = request.headers.get("content-length")
+    cap = max_bytes
     if declared is not None:
         if not declared.strip().isdigit():
             raise ApiError(400, "bad_request", "invalid Content-Length")
         if int(declared) > max_bytes:
             raise ApiError(413, "body_too_large", f"body of {declared} bytes is over the limit of {max_bytes}",
                            CLOSE)
-        if hold is not None:
-            hold(int(declared))
-    held = int(declared) if declared is not None else 0
+        cap = int(declared)
+    items = JsonItemCounter(max_json_items, max_json_depth) if max_json_items is not None and is_json_media(
+        media_type_of(request)) else None
+    held = 0
     buf = bytearray()
     try:
         async for chunk in request.stream():
             if len(buf) + len(chunk) > max_bytes:
                 raise ApiError(413, "body_too_large", f"body is over the limit of {max_bytes} bytes", CLOSE)
+            if items is not None:
+                items.feed(chunk, buf)
             buf += chunk
             if hold is not None and len(buf) > held:
-                held = min(max_bytes, len(buf) + HOLD_STEP)
-                hold(held)
+                held = max(len(buf), min(cap, len(buf) + max(HOLD_HEADROOM, len(buf) // 4)))
+                pending = hold(held)
+                if pending is not None:
+                    await pending
     except ClientDisconnect:  # left mid-upload (or cut at the body deadline): nobody to answer
         raise ClientGone() from None
     return bytes(buf)

@@ -20,6 +20,9 @@ class ConnectionLimits:
     send_timeout_s: float = 30.0
     max_pipelined_requests: int = 16
     max_body_bytes: int = 20 * 2**20
+    min_body_rate_bytes_s: int = 64 * 1024
+    body_rate_grace_s: float = 5.0
+    min_body_chunk_bytes: int = 1024
 
     @property
     def max_body_framing_bytes(self) -> int:
@@ -36,6 +39,18 @@ class ConnectionStats:
     send_timeouts = 0
     pipeline_refused = 0
     framing_too_large = 0
+    evicted = 0
+    bodies_too_slow = 0
+    bodies_too_fragmented = 0
+
+
+class Refusal(Exception):
+    """Raised from a parser callback: stop parsing, answer ``status`` (after earlier answers),
+    count it in ``ConnectionStats.<counter>``."""
+
+    def __init__(self, status: int, code: str, message: str, counter: str):
+        super().__init__(message)
+        self.status, self.code, self.message, self.counter = status, code, message, counter
 
 
 def error_bytes(status: int, code: str, message: str, extra_headers: bytes = b"") -> bytes:

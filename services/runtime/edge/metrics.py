@@ -1,5 +1,6 @@
 """Counters of the HTTP edge that services.runtime.shell.metrics does not list: send deadlines,
-pipelining and framing refusals, sockets reset with an unread answer, credential failures.
+pipelining and framing refusals, connections evicted at the limit, bodies too slow or in tiny
+chunks, sockets reset with an unread answer, credential failures.
 Registered by services.runtime.serve on the service's registry; every figure is a plain
 int written on the event loop and read here (in the probe thread too) without a lock."""
 
@@ -20,6 +21,12 @@ class EdgeCollector:
                  "Requests refused (429) beyond max_pipelined_requests on one connection."),
                 ("onecard_request_framing_too_large", self.stats.framing_too_large,
                  "Requests whose body framing took over twice max_body_bytes on the wire (413)."),
+                ("onecard_connections_evicted", self.stats.evicted,
+                 "Idle connections (or unfinished heads) closed to make room at max_connections."),
+                ("onecard_bodies_too_slow", self.stats.bodies_too_slow,
+                 "Request bodies cut for arriving under min_body_rate_bytes_s (408)."),
+                ("onecard_bodies_too_fragmented", self.stats.bodies_too_fragmented,
+                 "Chunked request bodies refused for chunks averaging under min_body_chunk_bytes (413)."),
                 ("onecard_unread_answers_reset", self.linger.reset_total,
                  "Closed connections reset because their answer stayed unread in the kernel."),
                 ("onecard_auth_failures", self.limiter.failures_total,

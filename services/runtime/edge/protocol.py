@@ -1,62 +1,46 @@
-"""uvicorn's httptools protocol with the limits uvicorn does not have.
+"""uvicorn's httptools protocol with the limits uvicorn does not have (docs/limits.md).
 
-uvicorn caps neither the connections it holds open, nor the size of a request's
-headers as they arrive, nor the time a client may take to send them or to read its
-answer: its keep-alive timer is reset by every byte, so a client trickling one byte at
-a time holds a connection forever (uvicorn issue 157). Here, per connection:
+uvicorn caps neither the connections it holds open, nor the size of a request's headers as
+they arrive, nor the time a client may take to send them or to read its answer: its
+keep-alive timer is reset by every byte, so a client trickling one byte at a time holds a
+connection forever (uvicorn issue 157). Here, per connection:
 
-- beyond ``max_connections`` open connections a new one gets 503 and is closed (after a
-  short, bounded linger so that the client reads the 503): at most twice max_connections
-  client sockets exist, never descriptor exhaustion;
-- the bytes of a request head are counted as they arrive, not when the parser has
-  finished a header: past ``max_header_bytes`` (or ``max_header_count`` fields) 431
-  within one read, however the head is cut (one endless header value, an endless URL,
-  endless blank lines);
-- a request must arrive within deadlines: its head within ``header_timeout_s``, its body
-  within ``body_timeout_s`` of the head; else 408 and the connection is closed. A
-  deadline runs only while the request is the client's to send: a request pipelined
-  behind one being answered gets its deadline when the earlier answers are out, and
-  an error about it is written after them, never in their place;
-- at most ``max_pipelined_requests`` wait behind the one being answered: the next gets
-  429 after the earlier answers, and the connection is closed;
-- a body's framing (chunk sizes, chunk extensions) cannot make the service read much
-  more than the body limit: 413 past twice ``max_body_bytes``;
+- at ``max_connections`` a newcomer takes the place of the longest idle connection
+  (connection_room); only when every connection has a request in progress is it refused
+  (503, a short bounded linger): never descriptor exhaustion;
+- a request head's bytes are counted as they arrive: past ``max_header_bytes`` (or
+  ``max_header_count`` fields) 431 within one read, however the head is cut;
+- a head must arrive within ``header_timeout_s``, a body within ``body_timeout_s`` and at
+  ``min_body_rate_bytes_s`` on average after ``body_rate_grace_s`` (body_pace); else 408 and
+  a close. A deadline runs only while the request is the client's to send: one pipelined
+  behind another gets its deadline when the earlier answers are out, and an error about
+  it is written after them, never in their place;
+- at most ``max_pipelined_requests`` wait behind the one being answered (then 429);
+- a body's framing cannot make the service read much more than the body limit (413 past
+  twice ``max_body_bytes``), nor cost the loop a callback per byte (413 for chunks that
+  average under ``min_body_chunk_bytes``);
 - an answer the client does not take is reset after ``send_timeout_s`` without progress
-  (services.runtime.edge.send_deadline);
-- a request uvicorn cannot parse gets 400 in the JSON error envelope, not plain text;
-  a client that half-closes before its request is complete gets 400 too.
+  (send_deadline);
+- a request uvicorn cannot parse, or a client that half-closes inside its request, gets
+  400 in the JSON error envelope.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from services.runtime.edge.connection_limits import ConnectionLimits, ConnectionStats, error_bytes
+from services.runtime.edge.body_pace import BodyRate, chunks_too_small
+from services.runtime.edge.connection_limits import ConnectionLimits, ConnectionStats, Refusal, error_bytes
+from services.runtime.edge.connection_room import ConnectionRoom, RefusedNewcomer, too_many_connections
 from services.runtime.edge.send_deadline import KernelQueueLinger, SendWatch, reset
 
 __all__ = ["ConnectionLimits", "ConnectionStats", "error_bytes", "guarded_protocol"]
 
-log = logging.getLogger("onecard.service")
-
-
-LINGER_S = 1.0
-MAX_LINGERING = 1024
-_lingering = [0]  # refused connections still draining, across the process (event loop thread only)
-
 IDLE, HEAD, BODY = "idle", "head", "body"  # where the parser is in the latest request
-
-
-class _Refusal(Exception):
-    """Raised from a parser callback: stop parsing, answer ``status`` (after earlier answers)."""
-
-    def __init__(self, status: int, code: str, message: str, counter: str):
-        super().__init__(message)
-        self.status, self.code, self.message, self.counter = status, code, message, counter
 
 
 def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = ConnectionStats,
@@ -64,15 +48,15 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
     """A protocol class for uvicorn's ``http=`` setting, bound to these limits."""
     if linger is None:
         linger = KernelQueueLinger(limits.send_timeout_s, limits.max_connections)
+    room = ConnectionRoom(limits.max_connections)
 
-    def too_large(what: str) -> _Refusal:
-        return _Refusal(431, "headers_too_large", what, "headers_too_large")
+    def too_large(what: str) -> Refusal:
+        return Refusal(431, "headers_too_large", what, "headers_too_large")
 
     class GuardedHttpProtocol(HttpToolsProtocol):
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
-            self._refused = False
-            self._lingers = False
+            self._refused: RefusedNewcomer | None = None
             self._deadline: asyncio.TimerHandle | None = None
             self._deadline_for: tuple[str, int] | None = None
             self._phase = IDLE
@@ -87,41 +71,51 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._broken = False       # no more parsing on this connection
             self._was_reset = False
             self._send_watch: SendWatch | None = None
+            self._body_rate: BodyRate | None = None
+            self._chunks = 0           # chunk headers of this request's body
+            self._body_data = 0        # its bytes without the framing
 
         # ---- connections ------------------------------------------------------------
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            if len(self.connections) >= limits.max_connections:
-                self._refuse(transport)
+            if not room.make_room(len(self.connections)):  # every connection has a request in progress
+                stats.refused += 1
+                self.transport = transport
+                self._refused = RefusedNewcomer(self.loop, transport, limits.max_connections)
                 return
             super().connection_made(transport)
+            room.arrived(self, transport)
             self._send_watch = SendWatch(self.loop, transport, limits.send_timeout_s, self._on_send_stuck)
+            self._body_rate = BodyRate(self.loop, limits.min_body_rate_bytes_s, limits.body_rate_grace_s,
+                                       lambda: self._body_bytes, self._client_waits, self._on_body_too_slow)
             self._update_receive_deadline()
 
-        def _refuse(self, transport: asyncio.Transport) -> None:
-            """503, then a lingering close: half-close, drain what the client sends, close on
-            its EOF or after LINGER_S. Closing with unread data would send a reset that
-            destroys the 503 before the client reads it. Bounded: past MAX_LINGERING
-            refused connections, close at once."""
-            self._refused = True
-            self.transport = transport
-            stats.refused += 1
-            transport.write(error_bytes(503, "too_many_connections",
-                                        f"the service holds {limits.max_connections} connections; retry later",
-                                        b"retry-after: 1\r\n"))
-            if _lingering[0] >= min(MAX_LINGERING, limits.max_connections) or not transport.can_write_eof():
-                transport.close()
+        def give_way(self) -> None:
+            """Closed to make room for a newcomer (connection_room): silently when idle, with a
+            503 when a head was arriving."""
+            stats.evicted += 1
+            arriving = not self._broken and (self._phase == HEAD or self._waiting_bytes > 0)
+            self._broken = True
+            self._disarm()
+            if arriving:
+                self.transport.write(too_many_connections(limits.max_connections))
+            self.transport.close()
+
+        def _update_room(self) -> None:
+            if self._broken or self.transport.is_closing():
                 return
-            _lingering[0] += 1
-            self._lingers = True
-            transport.write_eof()
-            self._deadline = self.loop.call_later(LINGER_S, transport.close)
+            if (self._phase == BODY or self.pipeline or self._earlier_answers_pending()
+                    or (self.cycle is not None and not self.cycle.response_complete)):
+                room.busy(self)
+            elif self._phase == HEAD or self._waiting_bytes > 0:
+                room.arriving(self)
+            else:
+                room.no_request(self)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
-            if self._refused:
-                if self._lingers:
-                    self._lingers = False
-                    _lingering[0] -= 1
+            room.gone(self)
+            if self._refused is not None:
+                self._refused.gone()
                 return
             if self._send_watch is not None:
                 self._send_watch.stop()
@@ -132,7 +126,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             super().connection_lost(exc)
 
         def eof_received(self) -> bool | None:
-            if self._refused:
+            if self._refused is not None:
                 self.transport.close()
                 return None
             # A client that closes its side in the middle of a request will never finish it:
@@ -149,7 +143,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
         # ---- answers: the send deadline and the order of answers ----------------------
         def pause_writing(self) -> None:
             if self._send_watch is None:
-                return  # a refused connection: its 503 is all it gets, closed within LINGER_S
+                return  # a refused connection: its 503 is all it gets, closed within a second
             super().pause_writing()
             self._send_watch.start()
 
@@ -178,6 +172,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 self._write_error_and_close(status, code, message)
                 return
             self._update_receive_deadline()
+            self._update_room()
 
         def _earlier_answers_pending(self) -> bool:
             """Are answers to requests before the one being read still to be written?"""
@@ -187,7 +182,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
 
         # ---- reading ------------------------------------------------------------------
         def data_received(self, data: bytes) -> None:
-            if self._refused or self._broken:
+            if self._refused is not None or self._broken:
                 return  # drained and dropped: a refusal lingers, or an error is on its way
             self._unset_keepalive_if_required()
             phase_before, message_before = self._phase, self._message_no
@@ -202,15 +197,16 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                     self.cycle.keep_alive = False
                 return
             except httptools.HttpParserError as exc:
-                cause = exc.__context__ if isinstance(exc.__context__, _Refusal) else None
+                cause = exc.__context__ if isinstance(exc.__context__, Refusal) else None
                 if cause is None:
-                    self._refuse_request(_Refusal(400, "bad_request", "invalid HTTP request", "bad_requests"))
+                    self._refuse_request(Refusal(400, "bad_request", "invalid HTTP request", "bad_requests"))
                 else:
                     self._refuse_request(cause)
                 return
             self._account(len(data), phase_before, message_before)
             if not self._broken:
                 self._update_receive_deadline()
+                self._update_room()
 
         def _account(self, n: int, phase_before: str, message_before: int) -> None:
             """Count this read's bytes towards the head or the body they belong to. When a
@@ -225,7 +221,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             elif phase_before == BODY and self._message_no == message_before:
                 self._body_bytes += n
                 if self._body_bytes > limits.max_body_framing_bytes:
-                    self._refuse_request(_Refusal(
+                    self._refuse_request(Refusal(
                         413, "body_too_large",
                         f"the request body took over {limits.max_body_framing_bytes} bytes on the wire",
                         "framing_too_large"))
@@ -233,7 +229,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
         def send_400_response(self, msg: str) -> None:
             self._fail(400, "bad_request", msg)
 
-        def _refuse_request(self, refusal: _Refusal) -> None:
+        def _refuse_request(self, refusal: Refusal) -> None:
             """Stop parsing and answer ``refusal``: now, or after the answers still owed to
             earlier requests (the client reads answers in order)."""
             setattr(stats, refusal.counter, getattr(stats, refusal.counter) + 1)
@@ -284,6 +280,8 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 self._disarm()
             elif self._phase == BODY:
                 self._arm(("body", self._message_no), limits.body_timeout_s)
+                if self.cycle is not None and not self.cycle.response_complete:
+                    self._body_rate.start()
             elif self._phase == HEAD:
                 self._arm(("head", self._message_no), limits.header_timeout_s)
             elif self._waiting_bytes > 0 or self._message_no == 0:
@@ -305,16 +303,33 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 self._deadline.cancel()
                 self._deadline = None
             self._deadline_for = None
+            if self._body_rate is not None:
+                self._body_rate.stop()
+
+        def _client_waits(self) -> bool:
+            """Is the body held back by us rather than by the client (reading paused until the
+            app takes what arrived, or a 100 Continue not sent yet)?"""
+            cycle = self.cycle
+            return self.flow.read_paused or (cycle is not None and cycle.waiting_for_100_continue)
+
+        def _on_body_too_slow(self) -> None:
+            stats.bodies_too_slow += 1
+            self._cut_request(408, "body_too_slow",
+                              f"the request body arrived at under {limits.min_body_rate_bytes_s} bytes/s")
 
         def _on_deadline(self) -> None:
             self._deadline = None
             stats.timed_out += 1
+            self._cut_request(408, "request_timeout", "the request did not arrive in time")
+
+        def _cut_request(self, status: int, code: str, message: str) -> None:
             self._broken = True
+            self._disarm()
             if self._phase == BODY and self.cycle is not None and not self.cycle.response_complete:
                 # the body did not arrive in time; the app sees a disconnect
                 self.cycle.disconnected = True
                 self.cycle.message_event.set()
-            self._fail(408, "request_timeout", "the request did not arrive in time")
+            self._fail(status, code, message)
 
         # ---- parser callbacks -------------------------------------------------------
         def on_message_begin(self) -> None:
@@ -343,7 +358,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
         def on_headers_complete(self) -> None:
             if (self.cycle is not None and not self.cycle.response_complete
                     and len(self.pipeline) >= limits.max_pipelined_requests):
-                raise _Refusal(429, "too_many_pipelined_requests",
+                raise Refusal(429, "too_many_pipelined_requests",
                                f"over {limits.max_pipelined_requests} requests wait behind the one being answered",
                                "pipeline_refused")
             starts_now = self.cycle is None or self.cycle.response_complete
@@ -351,6 +366,8 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._heads_in_read += 1
             self._waiting_bytes = 0
             self._body_bytes = 0
+            self._chunks = 0
+            self._body_data = 0
             super().on_headers_complete()
             if starts_now:  # else uvicorn queued it behind the one being answered
                 self._active = self.cycle
@@ -370,8 +387,21 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 await send(message)
             cycle.send = send_then_close
 
+        def on_chunk_header(self) -> None:
+            self._chunks += 1
+            if chunks_too_small(self._chunks, self._body_data, limits.min_body_chunk_bytes):
+                raise Refusal(413, "body_too_fragmented",
+                               f"the chunked body's chunks average under {limits.min_body_chunk_bytes} bytes",
+                               "bodies_too_fragmented")
+
+        def on_body(self, body: bytes) -> None:
+            self._body_data += len(body)
+            super().on_body(body)
+
         def on_message_complete(self) -> None:
             self._phase = IDLE
+            if self._body_rate is not None:
+                self._body_rate.stop()
             super().on_message_complete()
 
     return GuardedHttpProtocol

@@ -1,7 +1,9 @@
 """Admission: a request gets a queue slot, or a 503, before anything is spent on it.
 
-The check runs the moment a request reaches its route, before its body is read or
-decoded, and the slot is counted at once: a burst cannot pass the check together.
+The check runs once a request's body has arrived (its bytes are charged to the memory
+ledger as they come, which bounds what uploads still arriving hold), before anything is
+decoded, and the slot is counted at once: a burst cannot pass the check together. Uploads
+that trickle therefore hold no slot: they cannot lock other clients out with 503s.
 ``max_queue`` bounds every admitted request that is not on the model yet, decoding or
 waiting. ``max_queue = 0`` means no waiting at all: a request is admitted only when the
 model is idle and nobody else is admitted.

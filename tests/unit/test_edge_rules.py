@@ -1,0 +1,215 @@
+"""The HTTP edge's rules on their own, with an injected clock: which connection makes room at
+max_connections, a body's minimum rate (and the time that is not the client's), tiny chunks,
+and JSON items counted before parsing (the service routes and the jobs envelope alike)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.jobs.payload import Limits, digest_submit
+from services.runtime.edge.body_pace import CHUNK_GRACE, BodyRate, chunks_too_small
+from services.runtime.edge.connection_room import ConnectionRoom
+from services.runtime.edge.json_items import JsonItemCounter, check_json_items, nests_deeper_than, structural_bytes
+from services.runtime.errors import ApiError
+
+
+# ---- connection room ---------------------------------------------------------------------------
+class Conn:
+    def __init__(self, name: str, closed: list[str]):
+        self.name, self.closed = name, closed
+
+    def give_way(self) -> None:
+        self.closed.append(self.name)
+
+
+def room_of(limit: int) -> tuple[ConnectionRoom, list[str], dict[str, Conn]]:
+    closed: list[str] = []
+    return ConnectionRoom(limit), closed, {}
+
+
+def test_the_longest_idle_connection_makes_room_before_an_arriving_head():
+    room, closed, c = room_of(3)
+    for name in ("a", "b", "c"):
+        c[name] = Conn(name, closed)
+    room.no_request(c["a"])   # accepted, nothing sent yet
+    room.arriving(c["b"])     # a head arriving
+    room.no_request(c["c"])
+    room.no_request(c["a"])   # answered and kept alive: idle from now, so behind c
+    assert room.make_room(3) and closed == ["c"]
+    # c is still open until its close completes: 4 open, c leaving, counted once
+    assert room.make_room(4) and closed == ["c", "a"]
+    assert room.make_room(5) and closed == ["c", "a", "b"]  # no idle one left: the oldest head
+
+
+def test_a_connection_with_a_request_in_progress_never_makes_room():
+    room, closed, c = room_of(2)
+    for name in ("a", "b"):
+        c[name] = Conn(name, closed)
+        room.arriving(c[name])
+        room.busy(c[name])
+    assert not room.make_room(2) and closed == []
+    room.gone(c["a"])
+    assert room.make_room(1)  # below the limit: nothing to close
+
+
+def test_an_arriving_head_keeps_its_place_and_a_leaving_one_is_not_listed_again():
+    room, closed, c = room_of(2)
+    for name in ("a", "b"):
+        c[name] = Conn(name, closed)
+        room.arriving(c[name])
+    room.arriving(c["a"])  # more of a's head: still the oldest
+    assert room.make_room(2) and closed == ["a"]
+    room.no_request(c["a"])  # a late event from the one leaving
+    assert room.make_room(3) and closed == ["a", "b"]
+    room.gone(c["a"])
+    room.gone(c["b"])
+    assert room.counts() == {"idle": 0, "arriving": 0, "leaving": 0}
+
+
+# ---- a body's rate ---------------------------------------------------------------------------
+class FakeLoop:
+    """call_later and time() on a clock the test moves."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.timers: list[tuple[float, object]] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def call_later(self, delay, fn):
+        handle = Handle(self.now + delay, fn)
+        self.timers.append(handle)
+        return handle
+
+    def advance(self, seconds: float, step: float = 0.25) -> None:
+        end = self.now + seconds
+        while self.now < end:
+            self.now = min(end, self.now + step)
+            for h in [h for h in self.timers if h.when <= self.now and not h.cancelled]:
+                self.timers.remove(h)
+                h.fn()
+
+
+class Handle:
+    def __init__(self, when, fn):
+        self.when, self.fn, self.cancelled = when, fn, False
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def watch(min_rate=1000, grace_s=3.0):
+    loop, state = FakeLoop(), {"bytes": 0, "waits": False, "cut": 0}
+    rate = BodyRate(loop, min_rate, grace_s, lambda: state["bytes"], lambda: state["waits"],
+                    lambda: state.__setitem__("cut", state["cut"] + 1))
+    return loop, state, rate
+
+
+def test_a_body_below_the_minimum_rate_is_cut_once_the_grace_has_passed():
+    loop, state, rate = watch()
+    rate.start()
+    loop.advance(2.5)
+    state["bytes"] = 100  # 100 bytes in 2.5 s: under 1000/s, but within the grace
+    assert state["cut"] == 0
+    loop.advance(1.0)
+    assert state["cut"] == 1
+    loop.advance(5.0)
+    assert state["cut"] == 1  # told once
+
+
+def test_a_body_at_the_rate_is_never_cut_and_a_slow_start_is_averaged():
+    loop, state, rate = watch()
+    rate.start()
+    for _ in range(20):  # nothing for a second, then 4000 bytes a second: over 1000/s averaged from the start
+        loop.advance(1.0)
+        state["bytes"] += 0 if loop.now <= 1.0 else 4000
+    assert state["cut"] == 0
+    rate.stop()
+    loop.advance(10.0)
+    assert state["cut"] == 0
+
+
+def test_time_the_service_holds_the_body_back_does_not_count():
+    loop, state, rate = watch()
+    rate.start()
+    state["waits"] = True  # reading paused (the app has not taken what came) or a 100 Continue due
+    loop.advance(10.0)
+    assert state["cut"] == 0
+    state["waits"] = False
+    loop.advance(2.0)
+    assert state["cut"] == 0  # a new grace from the end of the pause
+    loop.advance(2.0)
+    assert state["cut"] == 1
+
+
+def test_a_minimum_rate_of_zero_watches_nothing():
+    loop, state, rate = watch(min_rate=0)
+    rate.start()
+    loop.advance(60.0)
+    assert state["cut"] == 0 and loop.timers == []
+
+
+# ---- chunks --------------------------------------------------------------------------------------
+def test_tiny_chunks_are_refused_only_after_the_grace_and_on_average():
+    assert not chunks_too_small(CHUNK_GRACE, CHUNK_GRACE, 1024)            # 1-byte chunks, still in the grace
+    assert chunks_too_small(CHUNK_GRACE + 1, CHUNK_GRACE, 1024)            # one more: refused
+    assert not chunks_too_small(5000, 4999 * 1024, 1024)                  # 1 KiB chunks: fine
+    assert chunks_too_small(5000, 4999 * 1024 - 1, 1024)
+    assert not chunks_too_small(10**6, 0, 0)                              # 0: no minimum
+
+
+# ---- JSON items ----------------------------------------------------------------------------------
+def test_items_are_counted_by_structural_bytes_and_bound_what_json_builds():
+    doc = {"a": [1, 2, {"b": []}], "c": "x"}
+    raw = json.dumps(doc).encode()
+    assert structural_bytes(raw) == 7  # { [ , , { [ and the comma between a and c
+    check_json_items(raw, 7)
+    with pytest.raises(ApiError) as exc:
+        check_json_items(raw, 6)
+    assert (exc.value.status, exc.value.code) == (413, "json_too_complex")
+
+
+def test_items_counted_piece_by_piece_are_refused_at_the_piece_past_the_limit():
+    counter = JsonItemCounter(10)
+    body = b"[" + b"[]," * 20 + b"[]]"
+    pieces = [body[i:i + 7] for i in range(0, len(body), 7)]
+    fed = 0
+    with pytest.raises(ApiError) as exc:
+        for piece in pieces:
+            counter.feed(piece)
+            fed += 1
+    assert exc.value.code == "json_too_complex" and exc.value.headers == {"Connection": "close"}
+    assert fed < len(pieces) - 1  # refused long before the end
+
+
+def test_the_jobs_envelope_is_counted_before_it_is_parsed():
+    raw = json.dumps({"service": "detect", "route": "/api/v1/facedetect", "image": "AAAA",
+                      "params": {"x": [[]] * 200}}).encode()
+    refused = digest_submit(raw, 33, Limits(10**6, 10**6), 100)
+    assert refused.error is not None and refused.error[:2] == (413, "json_too_complex"), refused.error
+    assert not refused.parsed
+    parsed = digest_submit(raw, 33, Limits(10**6, 10**6), 10_000)
+    assert parsed.error is None or parsed.error[1] != "json_too_complex"
+
+
+def test_a_deep_document_past_the_items_limit_is_too_deep_not_too_complex():
+    """The same class of body gets the same answer: 40 000 nested brackets are refused by the
+    item count, and answered as the depth limit answers a small deep document."""
+    deep = b'{"a": ' + b"[" * 40_000 + b"]" * 40_000 + b"}"
+    with pytest.raises(ApiError) as exc:
+        check_json_items(deep, 10_000, 16)
+    assert (exc.value.status, exc.value.code) == (400, "json_too_deep")
+    counter = JsonItemCounter(10_000, 16)
+    with pytest.raises(ApiError) as exc:
+        for i in range(0, len(deep), 4096):
+            counter.feed(deep[i:i + 4096], deep[:i])
+    assert (exc.value.status, exc.value.code) == (400, "json_too_deep")
+    flat = b"[" + b"[]," * 20_000 + b"[]]"  # wide, two levels: too complex, not too deep
+    with pytest.raises(ApiError) as exc:
+        check_json_items(flat, 10_000, 16)
+    assert (exc.value.status, exc.value.code) == (413, "json_too_complex")
+    assert not nests_deeper_than(b'["[[[[[[[[[[", "\\"[[[["]', 1)  # brackets in strings are text
+    assert nests_deeper_than(b'{"a":' * 17, 16)  # an unclosed bracket is a level that never ends
