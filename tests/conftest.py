@@ -14,7 +14,8 @@ import pytest
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped elsewhere (`./dev.sh test -m gpu` runs only these)")
+    config.addinivalue_line("markers",
+                            "gpu: needs a CUDA GPU; skipped elsewhere (`./dev.sh test -m gpu` runs only these)")
 
 
 @functools.lru_cache(maxsize=1)

@@ -11,8 +11,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import httpx
 
@@ -120,12 +121,12 @@ class Unit:
     def procs(self) -> list[Proc]:
         return [*self.targets.values(), self.jobs]
 
-    def start(self) -> "Unit":
+    def start(self) -> Unit:
         for p in self.procs:
             p.start()
         return self
 
-    def wait_ready(self, timeout: float = 120.0) -> "Unit":
+    def wait_ready(self, timeout: float = 120.0) -> Unit:
         for p in self.procs:
             p.wait_ready(timeout)
         return self

@@ -9,8 +9,8 @@ import contextlib
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 

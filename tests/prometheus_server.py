@@ -14,8 +14,9 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -78,7 +79,7 @@ class PrometheusServer:
         self.log_path = self.dir / "prometheus.log"
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 30.0) -> "PrometheusServer":
+    def start(self, timeout: float = 30.0) -> PrometheusServer:
         # flags that Prometheus 2.x and 3.x both take
         args = [binary("prometheus"), f"--config.file={self.config}", f"--storage.tsdb.path={self.dir / 'data'}",
                 f"--web.listen-address=127.0.0.1:{self.port}"]
@@ -115,7 +116,7 @@ class PrometheusServer:
         if self.proc is not None:
             self._log.close()
 
-    def __enter__(self) -> "PrometheusServer":
+    def __enter__(self) -> PrometheusServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

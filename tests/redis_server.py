@@ -60,7 +60,7 @@ class RedisServer:
             args += ["--appendonly", "no"]
         return args
 
-    def start(self, timeout: float = 10.0) -> "RedisServer":
+    def start(self, timeout: float = 10.0) -> RedisServer:
         self.proc = subprocess.Popen(self._args(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
@@ -93,14 +93,14 @@ class RedisServer:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=10)
 
-    def restart(self) -> "RedisServer":
+    def restart(self) -> RedisServer:
         self.kill()
         return self.start()
 
     def stop(self) -> None:
         self.kill()
 
-    def __enter__(self) -> "RedisServer":
+    def __enter__(self) -> RedisServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

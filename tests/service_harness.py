@@ -39,7 +39,7 @@ class ServiceProcess:
         self.soft_nofile = soft_nofile
         self.wrap = wrap  # argv -> argv: starts the service through something (a cgroup, a namespace)
 
-    def __enter__(self) -> "ServiceProcess":
+    def __enter__(self) -> ServiceProcess:
         self._log = open(self.log_path, "wb")
         def lower_nofile() -> None:
             if self.soft_nofile is not None:

@@ -6,7 +6,8 @@ import base64
 import io
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 import numpy as np

@@ -163,7 +163,8 @@ ROWS: list[tuple[str, list[dict]]] = [
     ]),
     ("CPU", [
         {"title": "CPU used by service, against the quota", "unit": "short",
-         "targets": [t(f'sum by (service) (rate(onecard_service_cpu_seconds_total{{{U}, service=~"$service"}}[{RATE}]))',
+         "targets": [t(f'sum by (service) (rate(onecard_service_cpu_seconds_total'
+                       f'{{{U}, service=~"$service"}}[{RATE}]))',
                        "{{service}} cores"),
                      t(f"max by (instance) (onecard_cpu_quota_cpus{{{U}}})", "{{instance}} quota")]},
         {"title": "CPU throttling", "unit": "percentunit",

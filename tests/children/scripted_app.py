@@ -1,7 +1,8 @@
 """A service on the real runtime with a scripted model, for admission/batching/fault tests.
 
 POST /api/v1/echo?id=X&sleep=S&mode=M[&key=K&items=N&cancellable=1&decode_sleep=D] with an
-image body; GET /block?s=S stalls the event loop on purpose. The backend sleeps S seconds per batch (the longest asked), records every id
+image body; GET /block?s=S stalls the event loop on purpose. The backend sleeps S seconds per batch
+(the longest asked), records every id
 it sees (GET /seen), and per mode: "bad" fails that item alone (422), "oom" raises
 CUDA's OOM text for the batch, "torch_oom" raises torch.cuda.OutOfMemoryError, "boom"
 raises an unexpected error in decode, "hang" blocks the model. `key` sets the batching

@@ -142,7 +142,7 @@ class PeakRss(threading.Thread):
         while not self._stop_ev.wait(0.02):
             self.peak = max(self.peak, rss(self.pid))
 
-    def __enter__(self) -> "PeakRss":
+    def __enter__(self) -> PeakRss:
         self.start()
         return self
 

@@ -282,5 +282,5 @@ def test_hostile_clients_at_once_leave_a_service_that_answers(svc):
         t.start()
     for t in threads:
         t.join(30)
-    for i in range(3):
+    for _ in range(3):
         still_serves(svc)

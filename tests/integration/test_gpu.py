@@ -92,7 +92,7 @@ def test_batched_img2img_on_cuda_matches_solo_by_seed(sd_cuda):
                 time.sleep(0.02)
         holder.close()
         batched = [f.result() for f in futs]
-    for alone, together in zip(solo, batched):
+    for alone, together in zip(solo, batched, strict=True):
         assert together.status_code == 200
         diff = np.abs(_arr(alone) - _arr(together.content))
         # fp16 kernels may differ with the batch size: the same picture within float tolerance

@@ -240,7 +240,7 @@ def test_diffusers_batches_compatible_requests_and_each_matches_its_solo_result(
     assert all(r.status_code == 200 for r in batched)
     after = _batch_sizes(svc)
     assert after["3.0"] - after["2.0"] - (before["3.0"] - before["2.0"]) == 1  # one call of three
-    for alone, together in zip(solo, batched):
+    for alone, together in zip(solo, batched, strict=True):
         diff = np.abs(as_array(alone) - as_array(together.content)).max()
         assert diff <= 2, diff  # same seed, same picture, batched or alone
 
@@ -322,5 +322,5 @@ def test_incompatible_requests_run_in_separate_calls(diffusers_svc):
         rs = [f.result() for f in futs]
     after = _batch_sizes(svc)
     assert after["1.0"] - before["1.0"] == len(queries) + 1  # the holder and each alone
-    for alone, r in zip(solo, rs):
+    for alone, r in zip(solo, rs, strict=True):
         assert np.abs(as_array(alone) - as_array(r.content)).max() <= 2

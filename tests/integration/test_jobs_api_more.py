@@ -36,8 +36,8 @@ def unit(request, tmp_path_factory):
     srv = RedisServer(tmp).start() if request.param == "redis" else None
     log = tmp / "journal"
     queue = {"max_attempts": 1, "retry_backoff_s": 0.5, "retry_backoff_max_s": 0.5, **({"url": srv.url} if srv else {})}
-    u = Unit(tmp, f"api-{request.param}", {"scripted": (TARGET_APP, {"model": "m1", "dry_run": True,
-                                                                     "journal": str(log), "max_body_bytes": 4 * 2**20})},
+    target = {"model": "m1", "dry_run": True, "journal": str(log), "max_body_bytes": 4 * 2**20}
+    u = Unit(tmp, f"api-{request.param}", {"scripted": (TARGET_APP, target)},
              target_settings={"scripted": {"max_in_flight": 1}}, queue=queue, max_list_limit=5)
     u.log = log
     try:

@@ -20,8 +20,8 @@ from PIL import Image
 
 from tests.images import astronaut, encode, pixel_bomb_png
 from tests.integration.test_metrics import lint
-from tests.service_harness import probe
 from tests.jobs_harness import DETECT_APP, IMG2IMG_APP, TARGET_APP, Unit, b64, start_units
+from tests.service_harness import probe
 
 HAAR = "detect/haar/haarcascade_frontalface_default"
 SCRIPTED = "scripted/scripted/m1"

@@ -232,7 +232,7 @@ def test_a_redis_that_lost_its_data_gets_its_registry_back_and_the_loss_is_repor
         job = api_only.submit("scripted", WORK, body={"tag": "after"})
         assert worker.wait(job["id"])["state"] == "succeeded"
         for unit in (worker, api_only):
-            wait_for(lambda: 'onecard_jobs_queue_events_total{event="data_lost"} 1.0' in unit.api.get(
+            wait_for(lambda unit=unit: 'onecard_jobs_queue_events_total{event="data_lost"} 1.0' in unit.api.get(
                 "/metrics").text, what=f"{unit.node} did not report the loss")
             assert "the queue lost its data" in unit.jobs.output()
             assert unit.stats()["jobs"]["queue_data_lost_at"] is not None

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.jobs_harness import error_of, idempotency_rules, IMG2IMG_APP, TARGET_APP, Unit, start_units
+from tests.jobs_harness import IMG2IMG_APP, TARGET_APP, Unit, error_of, idempotency_rules, start_units
 
 WORK = "/api/v1/work"
 
@@ -75,7 +75,7 @@ def test_deep_nesting_inside_the_byte_limit_never_breaks_the_service(unit):
 
 @pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999", "-1e999"])
 def test_numbers_that_are_not_finite_are_422(unit, number):
-    raw = '{"service": "scripted", "route": "/api/v1/work", "params": {"sleep_s": %s}}' % number
+    raw = '{"service": "scripted", "route": "/api/v1/work", "params": {"sleep_s": ' + number + "}}"
     r = unit.api.post("/v1/jobs", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 422 and error_of(r)["code"] == "invalid_parameter", r.text
 

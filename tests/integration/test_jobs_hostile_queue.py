@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from tests.harness import ROOT, SupervisorRun, fake_service, free_port
-from tests.jobs_harness import error_of, idempotency_rules, JOBS_APP, TARGET_APP, Proc, Unit, start_units
+from tests.jobs_harness import JOBS_APP, TARGET_APP, Proc, Unit, error_of, idempotency_rules, start_units
 from tests.redis_server import RedisServer
 
 WORK = "/api/v1/work"

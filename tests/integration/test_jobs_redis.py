@@ -206,7 +206,8 @@ def test_results_expire_after_their_ttl(server, rds, tmp_path):
 
 def test_sigkill_a_unit_mid_job_and_the_job_completes_on_the_other_with_one_result(server, rds, tmp_path):
     queue = {"url": server.url, "prefix": "kill", "visibility_timeout_s": 1.0, "max_attempts": 3}
-    units = [Unit(tmp_path, f"unit-{n}", {"scripted": (TARGET_APP, {"model": "m1", "unit": n, "dry_run": True})}, queue=queue)
+    units = [Unit(tmp_path, f"unit-{n}", {"scripted": (TARGET_APP, {"model": "m1", "unit": n, "dry_run": True})},
+                  queue=queue)
              for n in ("x", "y")]
     try:
         start_units(*units)

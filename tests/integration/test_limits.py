@@ -29,7 +29,7 @@ def _read_until_closed(s: socket.socket, limit_s: float) -> bytes:
             if not chunk:
                 return data
             data += chunk
-    except socket.timeout:
+    except TimeoutError:
         raise AssertionError(f"connection still open after {limit_s} s; got {data[:200]!r}") from None
 
 
@@ -86,7 +86,7 @@ def test_trickled_headers_are_cut_at_the_header_deadline(svc):
                 if not chunk:
                     break
                 got += chunk
-            except socket.timeout:
+            except TimeoutError:
                 pass
             time.sleep(0.2)
         else:

@@ -60,7 +60,7 @@ def lint(text: str) -> list[str]:
                 buckets.sort()
                 if buckets[-1][0] != float("inf"):
                     problems.append(f"{family.name}{key}: no +Inf bucket")
-                if any(b[1] > c[1] for b, c in zip(buckets, buckets[1:])):
+                if any(b[1] > c[1] for b, c in zip(buckets, buckets[1:], strict=False)):
                     problems.append(f"{family.name}{key}: buckets not cumulative")
     return problems
 

@@ -79,7 +79,7 @@ def test_holders_reopened_as_fast_as_they_are_closed_do_not_starve_a_probe(liste
     server, connect = listener
     holders = [connect() for _ in range(SLOTS)]
     try:
-        for round_ in range(6):
+        for _round in range(6):
             for i, s in enumerate(holders):  # every holder replaced by a new one, every round
                 s.close()
                 holders[i] = connect()

@@ -161,7 +161,7 @@ def test_extras_batch_images(svc):
     images = [picture(64, 48), picture(40, 40)]
     r = api(svc).extra_batch_images(images, upscaler_1="Lanczos", upscaling_resize=1.5)
     assert [img.size for img in r.images] == [(96, 72), (56, 56)]
-    for out, src in zip(r.images, images):
+    for out, src in zip(r.images, images, strict=True):
         assert np.array_equal(pixels(out), pixels(reference_upscale(src, 1.5, Image.LANCZOS)))
     assert r.info == "<p>Postprocess upscale by: 1.5, Postprocess upscaler: Lanczos</p>"
     assert_webui_error(post(svc, "/sdapi/v1/extra-batch-images", {"imageList": []}), 422, "invalid_parameter",

@@ -20,8 +20,16 @@ from sd_backend_client.errors import GenerationError
 
 from tests.models import tiny_sd_img2img
 from tests.service_harness import ServiceProcess
-from tests.webui_helpers import (APP, InThread, ProgressWatcher, diffusers_settings, picture, progress, style_settings,
-                                 wait_for)
+from tests.webui_helpers import (
+    APP,
+    InThread,
+    ProgressWatcher,
+    diffusers_settings,
+    picture,
+    progress,
+    style_settings,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")

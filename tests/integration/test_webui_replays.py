@@ -146,7 +146,7 @@ def convert_metadata_to_json(metadata: str) -> dict:
     the last line (minus its last character) split on ',' then ':'."""
     last = metadata.rindex("\n")
     prompt, other = metadata[:last], metadata[last + 1:-1]
-    out = dict(zip(("prompt", "negative_prompt"), prompt.split("Negative prompt: ")))
+    out = dict(zip(("prompt", "negative_prompt"), prompt.split("Negative prompt: "), strict=False))
     for setting in other.split(","):
         key, *value = [s.lstrip() for s in setting.split(":")]
         out[key] = value[0] if value else None

@@ -3,8 +3,8 @@ address, the wait it announces, and a bounded table."""
 
 from __future__ import annotations
 
-from services.runtime.edge.credentials import Credentials
 from services.runtime.edge.auth_failures import FailureLimiter
+from services.runtime.edge.credentials import Credentials
 
 
 class Clock:
@@ -18,7 +18,7 @@ class Clock:
 def test_an_address_is_limited_after_max_failures_until_the_oldest_leaves_the_window():
     clock = Clock()
     lim = FailureLimiter(3, 10.0, clock=clock)
-    for step in range(3):
+    for _ in range(3):
         assert lim.retry_after("a") is None
         lim.record_failure("a")
         clock.now += 1

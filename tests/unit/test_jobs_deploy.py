@@ -19,8 +19,7 @@ import yaml
 from services.jobs.settings import JobsSettings
 from supervisor.config.derived import drain_of, termination_grace_min
 from supervisor.config.schema import Config
-from supervisor.policy.plan import CpuQuota
-from supervisor.policy.plan import plan_threads
+from supervisor.policy.plan import CpuQuota, plan_threads
 from tests.harness import ROOT
 from tests.unit.test_deploy_manifests import STEPS, args_of, env_of, package_version
 
@@ -208,7 +207,8 @@ def test_a_network_policy_opens_exactly_the_pods_ports(workload):
 
 
 def test_redis_takes_connections_from_the_units_and_keda_only():
-    policy = next(n for n in NETPOLS if n["spec"]["podSelector"]["matchLabels"] == REDIS["spec"]["selector"]["matchLabels"])
+    redis_labels = REDIS["spec"]["selector"]["matchLabels"]
+    policy = next(n for n in NETPOLS if n["spec"]["podSelector"]["matchLabels"] == redis_labels)
     (rule,) = policy["spec"]["ingress"]
     pool_labels = POOLS[0]["spec"]["template"]["metadata"]["labels"]
     sources = rule["from"]

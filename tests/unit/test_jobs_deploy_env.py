@@ -17,12 +17,22 @@ import pytest
 
 from services.jobs.settings import JobsSettings
 from supervisor.config.loading import load_config
-from supervisor.policy.plan import CpuQuota
-from supervisor.policy.plan import build_plan
+from supervisor.policy.plan import CpuQuota, build_plan
 from tests.harness import ROOT, SupervisorRun, free_port
 from tests.redis_server import RedisServer, redis_binary
-from tests.unit.test_jobs_deploy import (DOCS, POD_NAME, POOLS, REDIS, SCALERS, SECRET, container, cpu_quota, pod,
-                                         pod_env, pool_config)
+from tests.unit.test_jobs_deploy import (
+    DOCS,
+    POD_NAME,
+    POOLS,
+    REDIS,
+    SCALERS,
+    SECRET,
+    container,
+    cpu_quota,
+    pod,
+    pod_env,
+    pool_config,
+)
 
 by_name = pytest.mark.parametrize("deployment", POOLS, ids=lambda d: d["metadata"]["name"])
 
@@ -122,8 +132,8 @@ def test_redis_args_and_probe_work_on_a_real_redis(tmp_path):
     try:
         (probe,) = {json.dumps(c[p]["exec"]["command"]) for p in ("startupProbe", "readinessProbe")}
         assert " -a " not in probe and "REDISCLI_AUTH=" in probe  # a password on argv is in every ps
-        command = [part.replace(f"{conf_mount}/{item['path']}", str(conf)).replace("redis-cli ", f"redis-cli -p {port} ")
-                   for part in json.loads(probe)]
+        command = [part.replace(f"{conf_mount}/{item['path']}", str(conf))
+                   .replace("redis-cli ", f"redis-cli -p {port} ") for part in json.loads(probe)]
 
         def probe_rc() -> int:
             return subprocess.run(command, capture_output=True, timeout=10).returncode

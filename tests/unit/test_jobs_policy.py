@@ -10,9 +10,9 @@ import pytest
 from pydantic import ValidationError
 
 from services.jobs.broker import ModelInfo
-from services.jobs.policy import RetryPolicy, Verdict, classify, retry_after_s
 from services.jobs.payload import Limits, build_body
 from services.jobs.payload import parse_envelope as parse_with_depth
+from services.jobs.policy import RetryPolicy, Verdict, classify, retry_after_s
 from services.jobs.records import public_view, request_digest, valid_id
 from services.jobs.results import b64_length, inline_parts
 from services.jobs.settings import JobsSettings, redact, valid_route

@@ -159,7 +159,7 @@ def test_an_idle_model_waits_for_requests_still_decoding_when_its_cost_is_sub_li
         first = asyncio.ensure_future(sched.submit([Item("a")], "k", Timing(), None))
         await asyncio.sleep(0.01)
         others = []
-        for name, token in zip("bc", tokens):
+        for name, token in zip("bc", tokens, strict=True):
             sched.decoding_done(token)
             others.append(asyncio.ensure_future(sched.submit([Item(name)], "k", Timing(), None)))
         await asyncio.gather(first, *others)

@@ -127,7 +127,8 @@ def test_an_out_of_memory_batch_logs_the_error_and_frees_memory_once_before_the_
     with caplog.at_level(logging.WARNING, logger="onecard.service"):
         freed = run(main())
     assert freed == 1
-    assert [r.getMessage() for r in caplog.records] == ["GPU out of memory: CUDA out of memory. Tried to allocate 1 GiB"]
+    assert [r.getMessage() for r in caplog.records] == \
+        ["GPU out of memory: CUDA out of memory. Tried to allocate 1 GiB"]
 
 
 def test_an_api_error_from_the_backend_passes_through_unchanged():
