@@ -144,7 +144,7 @@ case "$cmd" in
         ensure_prometheus
         setup
         step "ruff check . (lint and import order)"
-        "$VENV/bin/ruff" check --quiet . || { echo "ruff found problems (above); ruff check --fix . fixes most" >&2; exit 1; }
+        "$PY" -m ruff check --quiet . || { echo "ruff found problems (above); ruff check --fix . fixes most" >&2; exit 1; }
         # one worker per core, a test file per worker (its module fixtures start services
         # once); pass -n yourself to choose (-n 0: one process)
         case " $* " in

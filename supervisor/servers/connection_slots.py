@@ -42,6 +42,11 @@ class Slots:
         """Take a slot for a new connection; False when it must be closed at once."""
         if len(self) >= self.limit:
             self.closed_early += 1
+            # a connection taken as silent whose request has arrived since (on a busy loop, a
+            # probe connected a moment before it sent) is not silent: it moves on, once
+            while self._empty and has_bytes_waiting(first := next(iter(self._empty))):
+                del self._empty[first]
+                self._partial[first] = None
             pool = self._empty or self._partial
             if not pool:
                 return False

@@ -43,6 +43,60 @@ def test_the_longest_idle_connection_makes_room_before_an_arriving_head():
     assert room.make_room(5) and closed == ["c", "a", "b"]  # no idle one left: the oldest head
 
 
+class SocketTransport:
+    """What the room reads of a transport: its socket (a real one: FIONREAD is asked)."""
+
+    def __init__(self, sock):
+        self.sock = sock
+
+    def get_extra_info(self, name: str):
+        return self.sock if name == "socket" else None
+
+
+def test_an_idle_connection_whose_request_arrived_unread_is_not_the_one_closed():
+    """On a busy loop a probe's connection is accepted before its request is read: when the
+    room is full, the one that really sent nothing gives way, not the one with bytes waiting."""
+    import socket
+
+    room, closed, c = room_of(2)
+    pairs = [socket.socketpair() for _ in range(2)]
+    try:
+        for name, (ours, _) in zip("ab", pairs, strict=True):
+            c[name] = Conn(name, closed)
+            c[name].transport = SocketTransport(ours)
+            room.no_request(c[name])
+        pairs[0][1].sendall(b"GET /healthz HTTP/1.1\r\n\r\n")  # a's request, in its socket, unread
+        assert room.make_room(2) and closed == ["b"]
+    finally:
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
+
+
+def test_the_supervisors_slots_spare_a_connection_whose_request_arrived_unread():
+    import socket
+
+    from supervisor.servers.connection_slots import Slots
+
+    class Writer(SocketTransport):
+        def __init__(self, sock, aborted: list):
+            super().__init__(sock)
+            self.transport = type("T", (), {"abort": lambda _self: aborted.append(self)})()
+
+    aborted: list = []
+    pairs = [socket.socketpair() for _ in range(3)]
+    try:
+        slots = Slots(2)
+        a, b, newcomer = (Writer(ours, aborted) for ours, _ in pairs)
+        assert slots.admit(a) and slots.admit(b)
+        pairs[0][1].sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
+        assert slots.admit(newcomer) and aborted == [b]
+    finally:
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
+
+
 def test_a_connection_with_a_request_in_progress_never_makes_room():
     room, closed, c = room_of(2)
     for name in ("a", "b"):
@@ -212,4 +266,9 @@ def test_a_deep_document_past_the_items_limit_is_too_deep_not_too_complex():
         check_json_items(flat, 10_000, 16)
     assert (exc.value.status, exc.value.code) == (413, "json_too_complex")
     assert not nests_deeper_than(b'["[[[[[[[[[[", "\\"[[[["]', 1)  # brackets in strings are text
-    assert nests_deeper_than(b'{"a":' * 17, 16)  # an unclosed bracket is a level that never ends
+    assert nests_deeper_than(b'{"a":' * 17, 16)  # the start of a document: what is open counts
+    assert not nests_deeper_than(b'{"image": "x", "x": [[],[],[', 16)  # a wide one cut anywhere is shallow
+    prefix = b'{"image": "AAAA", "x": [' + b"[]," * 30_000  # the tiny-containers attack, cut mid-way
+    with pytest.raises(ApiError) as exc:
+        JsonItemCounter(10_000, 32).feed(prefix[100:], prefix[:100])
+    assert (exc.value.status, exc.value.code) == (413, "json_too_complex")

@@ -60,6 +60,10 @@ class ConnectionRoom:
         connection has a request in progress."""
         if open_now - len(self._leaving) < self.limit:
             return True
+        # one taken as idle whose request has arrived since (not read yet on a busy loop) is
+        # arriving: it moves on, once, and the next idle one is looked at
+        while self._idle and has_bytes_waiting(getattr(first := next(iter(self._idle)), "transport", None)):
+            self.arriving(first)
         pool = self._idle or self._arriving
         if not pool:
             return False

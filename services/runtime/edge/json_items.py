@@ -22,6 +22,7 @@ from services.runtime.errors import ApiError
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _BRACKETS_ONLY = bytes(b for b in range(256) if b not in b"[]{}")
+_DEPTH_BLOCK = 1 << 20
 
 # A body refused before it was read whole keeps arriving; the client is told the
 # connection closes, so that it does not send its next request on it.
@@ -45,16 +46,21 @@ def too_complex(max_items: int) -> ApiError:
 
 
 def nests_deeper_than(data: bytes | bytearray, max_depth: int) -> bool:
-    """Do the arrays and objects of ``data`` (a JSON text, complete or not) nest deeper than
-    ``max_depth``? Strings are dropped, then the innermost pairs of brackets peeled off once
-    per level: C-speed passes, at most ``max_depth`` of them. An unclosed bracket counts as
-    a level that never ends. CPU work for a big body: run it off the event loop."""
-    brackets = _STRING.sub(b"", bytes(data)).translate(None, _BRACKETS_ONLY)
-    for _ in range(max_depth):
-        if not brackets:
-            return False
-        brackets = brackets.replace(b"[]", b"").replace(b"{}", b"")
-    return bool(brackets)
+    """Do the arrays and objects of ``data`` (a JSON text, or the start of one) nest deeper
+    than ``max_depth``? Strings are dropped, the brackets kept, and the running depth (+1 for
+    an opening bracket, -1 for a closing one) is summed a block at a time with numpy: C speed
+    and a bounded temporary. CPU work for a big body: off the event loop."""
+    import numpy as np
+
+    brackets = np.frombuffer(_STRING.sub(b"", bytes(data)).translate(None, _BRACKETS_ONLY), dtype=np.uint8)
+    depth = 0
+    for start in range(0, len(brackets), _DEPTH_BLOCK):
+        block = brackets[start:start + _DEPTH_BLOCK]
+        running = depth + np.cumsum(np.where((block == 0x5B) | (block == 0x7B), 1, -1).astype(np.int32))
+        if int(running.max()) > max_depth:
+            return True
+        depth = int(running[-1])
+    return False
 
 
 def check_json_items(body: bytes | bytearray, max_items: int, max_depth: int | None = None) -> None:
