@@ -53,6 +53,11 @@ class Traces:
         return trace.set_span_in_context(span)
 
     @staticmethod
+    def new_trace() -> Context:
+        """A parent that starts a trace of its own, whatever span is current."""
+        return Context()
+
+    @staticmethod
     def use(span: Span):
         """Make ``span`` the current one (for spans started under it) without ending it."""
         return trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False)
