@@ -201,7 +201,7 @@ class ServiceShell:
         # every route can answer these; a part's routes list their own 4xx besides
         common_errors = error_responses((401, 500, 503) if self.credentials.required else (500, 503))
         app = FastAPI(title=part.title, description=part.description, version=version(), lifespan=lifespan,
-                      docs_url=None, redoc_url=None, responses=common_errors)
+                      docs_url=None, redoc_url=None, responses=common_errors, **FASTAPI_TELEMETRY_OFF)
         app.state.shell = self
         install_error_handlers(app)
 
@@ -245,6 +245,20 @@ class ServiceShell:
             return self.error_answer(exc, request.url.path)
 
         return app
+
+
+def _fastapi_telemetry_off() -> dict[str, Any]:
+    """FastAPI's own telemetry (FastAPI(telemetry=...), newer releases) turned off where it exists:
+    once a tracer provider is set it traces every request outside every middleware, before the
+    credential check, and with FASTAPI_OTEL_AUTO_CONFIGURE=true it would set up exporters of
+    its own. A service's traces are the shell's (services.runtime.traces), behind the check."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False,
+                          "auto_configure": False}}
+
+
+FASTAPI_TELEMETRY_OFF = _fastapi_telemetry_off()
 
 
 async def _maybe_await(value: Any) -> Any:
