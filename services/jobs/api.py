@@ -28,6 +28,7 @@ from services.jobs.records import (
 )
 from services.jobs.results import StreamedBody, first_piece, inline_parts
 from services.jobs.service import JobsService
+from services.jobs.tracing import described, submit_span, submitted
 from services.runtime.edge.body import (
     read_body,  # 413 as soon as the size is known; a client gone mid-upload: ClientGone
 )
@@ -97,6 +98,12 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
             return await _submit(request, idem)
 
     async def _submit(request: Request, idem: str | None) -> Any:
+        if svc.traces is None:
+            return await _accept(request, idem, None)
+        with submit_span(svc.traces) as span:  # the dry run and the queueing, under the request's span
+            return await _accept(request, idem, span)
+
+    async def _accept(request: Request, idem: str | None, span: Any) -> Any:
         raw = await read_body(request, settings.max_body_bytes)
         req = await svc.digest(raw)
         del raw
@@ -110,14 +117,18 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
         req.check(limits)  # the model's own limits, tighter than the unit's
         body, sha = req.body, req.sha
         reserve = settings.result_reserve_bytes
+        trace = None
+        if span is not None:
+            described(span, req.service, req.route, label, req.priority)
+            trace = svc.traces.carrier_of(span)  # kept with the job: its runs continue this trace
         if target is not None:
-            verdict = await target.dry_run(req.route, body)
+            verdict = await target.dry_run(req.route, body, trace)
             if verdict.error is not None:
                 raise verdict.error
             if verdict.output_bytes is not None:
                 reserve = verdict.output_bytes
         job = NewJob(new_id(), req.service, req.route, label, body, request_digest(req.service, req.route, label, sha),
-                     idem, time.time(), req.priority, min(reserve, settings.max_result_bytes))
+                     idem, time.time(), req.priority, min(reserve, settings.max_result_bytes), trace)
         try:
             sub = await svc.broker.submit(job, label)
         except JobTooLarge as exc:
@@ -131,6 +142,8 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
                            "request (service, route, model or body differ)") from None
         if sub.created:
             svc.metrics.count("submitted")
+        if span is not None:
+            submitted(span, sub.id, sub.created)
         headers = {"Location": f"/v1/jobs/{sub.id}"}
         if not sub.created:
             headers["Idempotent-Replayed"] = "true"

@@ -30,7 +30,7 @@ class JobsPart(ServicePart):
         self.identity: dict[str, Any] = {}
 
     def bind(self, shell: ServiceShell) -> None:
-        self.svc = JobsService(self.name, self.settings, registry=shell.metrics.registry)
+        self.svc = JobsService(self.name, self.settings, registry=shell.metrics.registry, traces=shell.traces)
         self.identity = shell.identity()
 
     def add_routes(self, app: FastAPI, shell: ServiceShell) -> None:

@@ -31,6 +31,7 @@ from services.jobs.policy import Verdict, classify, retry_after_s
 from services.jobs.records import CANCELLED, FAILED, KEPT_HEADERS, SUCCEEDED, Delivery, Outcome, error_doc
 from services.jobs.settings import JobsSettings
 from services.jobs.targets import Answer, ResultTooLarge, Target, TargetCrashed, TargetNotSent, TargetTimeout
+from services.jobs.tracing import AttemptTrace
 
 log = logging.getLogger("onecard.jobs")
 CANCEL, SHUTDOWN, LOST = "cancel", "shutdown", "lost"
@@ -62,6 +63,7 @@ class Running:
     delivery: Delivery
     waiting_on: asyncio.Task | None = None   # what a stop interrupts: the HTTP call or a wait
     stop_reason: str | None = None
+    trace: AttemptTrace | None = None        # with traces on: the attempt's span
 
 
 def is_json_document(data: bytes) -> bool:
@@ -75,8 +77,9 @@ def is_json_document(data: bytes) -> bool:
 
 class Consumer:
     def __init__(self, broker: Broker, target: Target, settings: JobsSettings, metrics: JobsMetrics,
-                 renew_period_s: float, is_json=None):
+                 renew_period_s: float, is_json=None, traces=None):
         self.broker, self.target, self.settings, self.metrics = broker, target, settings, metrics
+        self.traces = traces  # services.runtime.traces.tracer.Traces, None when traces are off
         self.label = target.label
         self.room = Room(target.max_in_flight)
         self.gate = CallGate()
@@ -212,15 +215,23 @@ class Consumer:
     # ---- running one job -----------------------------------------------------------
     async def _run(self, d: Delivery) -> None:
         t0 = time.monotonic()
+        trace = None
+        if self.traces is not None:
+            trace = self.running[d.job_id].trace = AttemptTrace(self.traces, d, self.broker.node)
+        failure: BaseException | None = None
         try:
             await self._attempt(d)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
+            failure = exc
             raise
         except Exception as exc:  # noqa: BLE001 - one job never takes the consumer down
+            failure = exc
             log.exception("jobs: job %s broke its run", d.job_id)
             await self._finish(d, Outcome(FAILED, error=error_doc(
                 "internal_error", f"the job could not be run: {type(exc).__name__}"), dead_letter=True))
         finally:
+            if trace is not None:
+                trace.end(failure)
             self.metrics.observe("running", time.monotonic() - t0)
             self.running.pop(d.job_id, None)
             self.metrics.in_progress.labels(self.label).dec()
@@ -268,7 +279,8 @@ class Consumer:
             try:
                 if d.isolate:  # losing the unit now is charged to this job alone
                     await self._write(self.broker.mark_solo, d)
-                resp = await self._interruptible(run, self.target.call(d.route, d.body, d.job_id))
+                resp = await self._interruptible(run, self.target.call(
+                    d.route, d.body, d.job_id, None if run.trace is None else run.trace.headers()))
             except TargetTimeout:
                 return await self._requeue(d, error_doc("timeout", f"no answer from {self.target.name} within "
                                                         f"{self.settings.run_timeout_s:g} s"), charged=True)
@@ -333,6 +345,7 @@ class Consumer:
     async def _stopped(self, d: Delivery, run: Running) -> None:
         if run.stop_reason == LOST:
             self.metrics.count("fenced")  # another unit holds the job now: nothing to write
+            self._traced(d, "fenced")
         elif run.stop_reason == SHUTDOWN:
             await self._requeue(d, None, charged=False)
         else:
@@ -344,8 +357,10 @@ class Consumer:
             self.metrics.count(outcome.state)
             if outcome.dead_letter:
                 self.metrics.count("dead_lettered")
+            self._traced(d, "dead_lettered" if outcome.dead_letter else outcome.state, outcome.error)
         elif verdict == "no_room":
             self.metrics.count("failed")
+            self._traced(d, "failed", {"code": "result_too_large"})
             log.error("jobs: %s: its result is over the room reserved for it and the queue is full; the job "
                       "failed (result_too_large)", d.job_id)
         elif verdict in ("lost", "duplicate"):  # another run holds the job, or wrote its outcome already
@@ -356,11 +371,18 @@ class Consumer:
 
     async def _requeue(self, d: Delivery, error: dict[str, Any] | None, charged: bool) -> None:
         verdict = await self._write(self.broker.requeue, d, error, charged, d.isolate)  # isolation sticks
-        self.metrics.count({"requeued": "retried" if charged else "released", "dead": "dead_lettered",
-                            "cancelled": "cancelled", "lost": "fenced", "done": "fenced"}.get(verdict, "duplicate"))
+        counted = {"requeued": "retried" if charged else "released", "dead": "dead_lettered",
+                   "cancelled": "cancelled", "lost": "fenced", "done": "fenced"}.get(verdict, "duplicate")
+        self.metrics.count(counted)
+        self._traced(d, counted, error)
         if verdict == "dead":
             self.metrics.count("failed")
             log.warning("jobs: %s failed after its last attempt: %s", d.job_id, error)
+
+    def _traced(self, d: Delivery, outcome: str, error: dict[str, Any] | None = None) -> None:
+        run = self.running.get(d.job_id)
+        if run is not None and run.trace is not None:
+            run.trace.ended(outcome, error)
 
     async def _write(self, op, *args) -> Any:
         """A state write that must not be lost to a short queue outage: retried with backoff

@@ -38,6 +38,7 @@ from services.jobs.records import (
     Outcome,
     Submitted,
     error_doc,
+    trace_carrier,
 )
 from services.jobs.settings import QueueSettings
 
@@ -214,7 +215,7 @@ class MemoryBroker(Broker):
                             f"them over queue.max_queued_bytes ({self.settings.max_queued_bytes})")
         fields = {"id": job.id, "service": job.service, "route": job.route, "model": label, "attempts": "0",
                   "runs": "0", "created_at": repr(job.created_at), "request_sha": job.request_sha, "progress": "0",
-                  "priority": job.priority}
+                  "priority": job.priority, **(job.trace or {})}
         self.jobs[job.id] = fields
         self.bodies[job.id] = job.body
         self.bodies_bytes += len(job.body)
@@ -313,7 +314,8 @@ class MemoryBroker(Broker):
         self._set_index(job, RUNNING)
         self.pending[label].add(job_id)
         return Delivery(job_id, label, job["route"], self.bodies[job_id], int(job["attempts"]) + 1, entry,
-                        float(job["queued_at"]), now, lease, level, job.get("isolate") == "1", runs)
+                        float(job["queued_at"]), now, lease, level, job.get("isolate") == "1", runs,
+                        trace_carrier(job.get("traceparent", ""), job.get("tracestate", "")))
 
     def _ready(self, label: str) -> bool:
         return any(self.queues[(label, level)] for level in LEVELS)

@@ -48,6 +48,7 @@ class NewJob:
     created_at: float
     priority: str = NORMAL
     reserve: int = 0               # bytes kept for the result from submit to finish
+    trace: dict[str, str] | None = None  # the submit's traceparent (and tracestate): record fields of their own
 
 
 @dataclass
@@ -65,10 +66,19 @@ class Delivery:
     level: str = NORMAL            # the priority level, whose stream the entry is on
     isolate: bool = False          # run it alone: it was in flight when its service (or unit) crashed
     runs: int = 1                  # runs started, charged or not
+    trace: dict[str, str] | None = None  # the submit's trace context, None when the record has none
 
     @property
     def charged(self) -> int:
         return self.attempt - 1
+
+
+def trace_carrier(traceparent: str, tracestate: str = "") -> dict[str, str] | None:
+    """A record's trace fields as a W3C carrier; None for a record written without them (by a
+    unit without traces, or by an older version)."""
+    if not traceparent:
+        return None
+    return {"traceparent": traceparent, "tracestate": tracestate} if tracestate else {"traceparent": traceparent}
 
 
 @dataclass

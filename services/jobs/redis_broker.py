@@ -250,7 +250,7 @@ class RedisBroker(RedisConsuming, Broker):
         value = json.dumps({"id": job.id, "sha": job.request_sha, "model": label}) if job.idempotency_key else ""
         fields = {"id": job.id, "service": job.service, "route": job.route, "model": label, "priority": job.priority,
                   "attempts": "0", "runs": "0", "created_at": repr(job.created_at), "request_sha": job.request_sha,
-                  "progress": "0"}
+                  "progress": "0", **(job.trace or {})}
         for _ in range(5):
             if job.idempotency_key:
                 known = await self.r.get(idem)

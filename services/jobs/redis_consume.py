@@ -22,7 +22,7 @@ from typing import Any
 from redis.exceptions import RedisError, ResponseError
 
 from services.jobs.broker import QueueUnavailable
-from services.jobs.records import LEVELS, Delivery, Outcome, valid_id
+from services.jobs.records import LEVELS, Delivery, Outcome, trace_carrier, valid_id
 from services.jobs.redis_errors import is_outage
 
 log = logging.getLogger("onecard.jobs")
@@ -171,7 +171,7 @@ class RedisConsuming:
             attempts = int(_s(res[1]))
             queued_at = float(_s(res[3])) if res[3] else None
             d = Delivery(job_id, label, _s(res[2]), res[4], attempts + 1, entry, queued_at, self.clock(), lease, level,
-                         _s(res[5]) == "1", int(_s(res[6])))
+                         _s(res[5]) == "1", int(_s(res[6])), trace_carrier(*map(_s, res[8:10])))
             if self.policy.exhausted(attempts):  # its last run was lost with its unit, running alone
                 await self._call("BURY", {"stream": stream, **self.job_keys(job_id, label)},
                                  {"group": self.group, "entry": entry, "lease": lease, "error": json.dumps(

@@ -115,7 +115,7 @@ START = Script("START", ("stream", *JOB_KEYS),
                ("group", "entry", "node", "consumer", "lease", *JOB_ARGS), helpers=_HELPERS, body="""
 local function drop() redis.call('XACK', K.stream, A.group, A.entry); redis.call('XDEL', K.stream, A.entry) end
 local f = redis.call('HMGET', K.job, 'state', 'entry', 'cancel', 'attempts', 'route', 'queued_at', 'node', 'solo',
-                     'isolate', 'runs', 'priority')
+                     'isolate', 'runs', 'priority', 'traceparent', 'tracestate')
 local state = f[1]
 if not state then drop(); return {'gone'} end
 if f[2] ~= A.entry then drop(); return {'stale'} end
@@ -134,7 +134,8 @@ local runs = tonumber(f[10] or '0') + 1
 redis.call('HSET', K.job, 'state', 'running', 'node', A.node, 'consumer', A.consumer, 'lease', A.lease,
            'attempts', attempts, 'runs', runs, 'started_at', A.now, 'isolate', isolate, 'solo', '0')
 index_as('running')
-return {'run', tostring(attempts), f[5] or '', f[6] or '', body, isolate, tostring(runs), f[11] or 'normal'}
+return {'run', tostring(attempts), f[5] or '', f[6] or '', body, isolate, tostring(runs), f[11] or 'normal',
+        f[12] or '', f[13] or ''}
 """)
 
 # KEYS: (job, stream) per run   ARGV: group, consumer, then (entry, lease) per run

@@ -41,8 +41,9 @@ def make_broker(settings: JobsSettings, node: str, environ=os.environ) -> Broker
 
 
 class JobsService:
-    def __init__(self, name: str, settings: JobsSettings, environ=os.environ, registry=None):
+    def __init__(self, name: str, settings: JobsSettings, environ=os.environ, registry=None, traces=None):
         self.name, self.settings = name, settings
+        self.traces = traces  # services.runtime.traces.tracer.Traces, None when traces are off
         self.node = settings.resolved_node_name()
         self.metrics = JobsMetrics(registry)
         self.broker = make_broker(settings, self.node, environ)
@@ -95,7 +96,7 @@ class JobsService:
         if self.settings.consume:
             renew = max(0.1, self.settings.queue.visibility_timeout_s / 3)
             for t in self.targets:
-                c = Consumer(self.broker, t, self.settings, self.metrics, renew, self.is_json)
+                c = Consumer(self.broker, t, self.settings, self.metrics, renew, self.is_json, self.traces)
                 self.consumers[t.label] = c
                 c.start()
         self.startup_problem = None

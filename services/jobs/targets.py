@@ -270,19 +270,20 @@ class Target:
             await asyncio.sleep(delay)
             delay = min(BACKOFF_MAX_S, delay * 2)
 
-    async def call(self, route: str, body: bytes, job_id: str) -> Answer:
+    async def call(self, route: str, body: bytes, job_id: str, trace: dict[str, str] | None = None) -> Answer:
         """Run a job; cancelling the awaiting task closes the connection, which the service
-        takes as its client leaving (it drops the job or stops between steps)."""
-        return await self.request("POST", route, body, {**self.headers(), JOB_HEADER: job_id})
+        takes as its client leaving (it drops the job or stops between steps). ``trace``: the
+        attempt's traceparent (and tracestate), which parents the service's request span."""
+        return await self.request("POST", route, body, {**self.headers(), **(trace or {}), JOB_HEADER: job_id})
 
-    async def dry_run(self, route: str, body: bytes) -> DryRun:
+    async def dry_run(self, route: str, body: bytes, trace: dict[str, str] | None = None) -> DryRun:
         """The service's verdict on a body without running it: an ApiError to return to the
         submitter, or none (valid, or the service cannot tell: structural checks stand), and
         what the answer will weigh when the service says (cost.output_bytes)."""
         if not self.settings.dry_run or self.dry_run_supported is False:
             return DryRun()
         try:
-            r = await self.request("POST", route, body, {**self.headers(), DRY_RUN_HEADER: "1"},
+            r = await self.request("POST", route, body, {**self.headers(), **(trace or {}), DRY_RUN_HEADER: "1"},
                                    timeout=self.dry_run_timeout_s)
         except TargetTimeout:
             self.dry_run_supported = False  # it ran the real thing: never ask again

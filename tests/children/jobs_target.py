@@ -20,7 +20,8 @@ answers cost.output_bytes: pad or binary plus 200), max_body_bytes (in /info), j
 appended as "event tag" lines: it outlives a restart of the process), unit (echoed back),
 openapi (false: no /openapi.json, as a service that publishes none), openapi_failures (the
 first N fetches of /openapi.json answer 503, as a service still starting or overloaded).
-GET /calls shows the log: started, finished, disconnected, dry_runs (tags, in order).
+GET /calls shows the log: started, finished, disconnected, dry_runs (tags, in order), and
+traceparents: [tag, the call's traceparent header or null] for every call that started.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import random
 
 
 def create_app(settings: dict):
-    log = {"started": [], "finished": [], "disconnected": [], "dry_runs": []}
+    log = {"started": [], "finished": [], "disconnected": [], "dry_runs": [], "traceparents": []}
     seen: collections.Counter[str] = collections.Counter()
     name = os.environ.get("ONECARD_SERVICE_NAME", "scripted")
 
@@ -91,6 +92,7 @@ def create_app(settings: dict):
         tag = str(doc.get("tag", ""))
         seen[tag] += 1
         record("started", tag)
+        log["traceparents"].append([tag, next((v.decode() for k, v in scope["headers"] if k == b"traceparent"), None)])
         if doc.get("crash"):
             os._exit(3)
         status = int(doc.get("status", 200))

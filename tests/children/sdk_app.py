@@ -6,13 +6,15 @@ POST /api/v1/tint (a picture; params: tag, sleep, mode): the model sleeps `sleep
 50 ms steps when every item is cancelled. mode "bad" fails that item alone (422), "boom"
 raises from decode. The answer: the picture's mean color and size (JSON), or the picture
 itself with ?answer=image (format from Accept). POST /api/v1/words (text/plain or JSON
-{"text": ...}): a second model route without pictures. GET /record: what the model saw.
+{"text": ...}): a second model route without pictures. GET /record: what the model saw;
+GET /modules?prefix=P: the modules this process has imported under P.
 POST /notes (JSON): a plain route that reads and parses its body with the Service's helpers.
 Settings: its own `greeting` key besides onecard's.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -118,6 +120,12 @@ class Tint(onecard.Model):
             body = await service.read_body(request)
             doc = await service.run_cpu(service.parse_json, body)
             return {"keys": len(doc) if isinstance(doc, dict) else None}
+
+        @service.app.get("/modules")
+        async def modules(prefix: str) -> list[str]:
+            """What this process has imported under ``prefix`` (the traces tests: nothing of
+            opentelemetry unless traces are on)."""
+            return sorted(m for m in list(sys.modules) if m == prefix or m.startswith(prefix + "."))
 
 
 create_app = onecard.serve(Tint, route="/api/v1/tint")

@@ -286,3 +286,25 @@ def test_the_idle_pubsub_connection_has_tcp_keepalive(server):
             await broker.close()
 
     asyncio.run(main())
+
+
+def test_a_jobs_trace_context_is_a_field_of_its_record_and_records_without_one_still_run(make):
+    """The submit's traceparent (and tracestate) comes back with every run, a retry's too; a
+    record written without them (an older version, or traces off) runs with no trace."""
+    traced = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "tracestate": "k=v"}
+
+    async def scenario():
+        b = await make(max_attempts=3)
+        with_trace, without = job(b'{"t":1}'), job(b'{"t":2}')
+        with_trace.trace = traced
+        await b.submit(with_trace, LABEL)
+        await b.submit(without, LABEL)
+        first, second = await take_one(b), await take_one(b)
+        assert (first.job_id, first.trace) == (with_trace.id, traced)
+        assert (second.job_id, second.trace) == (without.id, None)
+        assert (await b.get(with_trace.id))["traceparent"] == traced["traceparent"]
+        assert "traceparent" not in await b.get(without.id)
+        assert await b.requeue(first, error_doc("boom", "x"), True, False) == "requeued"
+        again = await take_one(b)
+        assert (again.job_id, again.attempt, again.trace) == (with_trace.id, 2, traced)
+    run(make, scenario)

@@ -27,6 +27,7 @@ class QueuedRequest:
     started_at: float | None = None
     infer_s: float = 0.0
     abandoned: bool = False          # nobody waits for the result any more
+    calls: list[tuple[float, float, int]] | None = None  # traced: each model call's start, end, batch size
 
     def cancel_items(self) -> None:
         self.abandoned = True

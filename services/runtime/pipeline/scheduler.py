@@ -124,7 +124,8 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
         job = QueuedRequest(items, key, timing.t0 + self.settings.request_timeout_s, now,
-                  loop.create_future(), ticket, [None] * len(items), len(items))
+                  loop.create_future(), ticket, [None] * len(items), len(items),
+                  calls=None if timing.trace is None else [])
         for i, item in enumerate(items):
             self._pending.append(QueuedItem(job, i, self.cost.item_pixels(item)))
         if self.policy is not None:
@@ -176,8 +177,10 @@ class Scheduler:
 
     def _stage_times(self, job: QueuedRequest, timing: Timing) -> None:
         if job.started_at is not None:
-            timing.add("queue", job.started_at - job.enqueued)
-            timing.add("infer", job.infer_s)
+            timing.add("queue", job.started_at - job.enqueued, end=job.started_at)
+            timing.add("infer", job.infer_s, traced=False)
+            for start, end, size in job.calls or ():  # one span per model call its items were in
+                timing.interval("infer", start, end, **{"onecard.batch.size": size})
 
     # ---- the batch loop ---------------------------------------------------------------
     def _drop_dead_head(self, now: float) -> None:
@@ -305,13 +308,16 @@ class Scheduler:
             self._free_since = time.perf_counter()
             if self.policy is not None:
                 self.policy.history.model_freed(self._free_since, len(batch))
-        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        dt = t1 - t0
         self.batches += 1
         self.items_run += len(batch)
         for entry, result in zip(batch, results, strict=False):
             job = entry.job
             job.results[entry.index] = result
             job.infer_s += dt
+            if job.calls is not None and (not job.calls or job.calls[-1][0] != t0):
+                job.calls.append((t0, t1, len(batch)))
             job.remaining -= 1
             if job.remaining == 0 and not job.future.done():
                 failure = next((r for r in job.results if isinstance(r, BaseException)), None)

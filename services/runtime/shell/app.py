@@ -43,6 +43,7 @@ from services.runtime.shell.heartbeat import Heartbeat
 from services.runtime.shell.metrics import METRICS_TYPE, ShellMetrics, version
 from services.runtime.shell.middleware import PROBE_PATHS, ShellMiddleware
 from services.runtime.shell.part import ServicePart
+from services.runtime.traces.setup import traces_from_environment
 
 log = logging.getLogger("onecard.service")
 OPEN_PATHS = PROBE_PATHS | {"/openapi.json", "/docs", "/docs/swagger-ui-bundle.js", "/docs/swagger-ui.css"}
@@ -56,6 +57,8 @@ class ServiceShell:
         self.settings = settings
         self.part = part
         self.metrics = ShellMetrics(name, ConnectionStats)
+        # None unless the OTEL_* variables ask for traces (services.runtime.traces)
+        self.traces = traces_from_environment(name, version())
         self.credentials = Credentials.from_settings(settings)
         self.limiter = FailureLimiter(settings.auth_max_failures, settings.auth_failure_window_s)
         self.heartbeat = Heartbeat()
@@ -190,13 +193,15 @@ class ServiceShell:
             finally:
                 self.started = False
                 await part.stop()
+                if self.traces is not None:  # the last spans, bounded: an absent collector never holds the drain
+                    await asyncio.to_thread(self.traces.shutdown)
                 await asyncio.to_thread(self.probes.stop)
                 self.heartbeat.stop()
 
         # every route can answer these; a part's routes list their own 4xx besides
         common_errors = error_responses((401, 500, 503) if self.credentials.required else (500, 503))
         app = FastAPI(title=part.title, description=part.description, version=version(), lifespan=lifespan,
-                      docs_url=None, redoc_url=None, responses=common_errors)
+                      docs_url=None, redoc_url=None, responses=common_errors, **FASTAPI_TELEMETRY_OFF)
         app.state.shell = self
         install_error_handlers(app)
 
@@ -225,6 +230,8 @@ class ServiceShell:
 
         part.add_routes(app, self)
         install_openapi(app, self.credentials)
+        if self.traces is not None:  # inside the shell's middleware: credentials are checked before a span
+            app.add_middleware(self.traces.middleware(), traces=self.traces, skip_paths=PROBE_PATHS)
         app.add_middleware(ShellMiddleware, shell=self)
         # outermost: it sees every 401, whoever answers it
         app.add_middleware(AuthFailureGate, limiter=self.limiter)
@@ -238,6 +245,20 @@ class ServiceShell:
             return self.error_answer(exc, request.url.path)
 
         return app
+
+
+def _fastapi_telemetry_off() -> dict[str, Any]:
+    """FastAPI's own telemetry (FastAPI(telemetry=...), newer releases) turned off where it exists:
+    once a tracer provider is set it traces every request outside every middleware, before the
+    credential check, and with FASTAPI_OTEL_AUTO_CONFIGURE=true it would set up exporters of
+    its own. A service's traces are the shell's (services.runtime.traces), behind the check."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False,
+                          "auto_configure": False}}
+
+
+FASTAPI_TELEMETRY_OFF = _fastapi_telemetry_off()
 
 
 async def _maybe_await(value: Any) -> Any:
