@@ -21,6 +21,9 @@ connection forever (uvicorn issue 157). Here, per connection:
   average under ``min_body_chunk_bytes``);
 - an answer the client does not take is reset after ``send_timeout_s`` without progress
   (send_deadline);
+- a connection closed while its request body still arrives lingers: the client's bytes are
+  read and dropped until it closes, so that it reads its 413 or 503 instead of a reset
+  (lingering_close);
 - a request uvicorn cannot parse, or a client that half-closes inside its request, gets
   400 in the JSON error envelope.
 """
@@ -35,7 +38,13 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from services.runtime.edge.body_pace import BodyRate, chunks_too_small
 from services.runtime.edge.connection_limits import ConnectionLimits, ConnectionStats, Refusal, error_bytes
-from services.runtime.edge.connection_room import ConnectionRoom, RefusedNewcomer, too_many_connections
+from services.runtime.edge.connection_room import (
+    ConnectionRoom,
+    RefusedNewcomer,
+    has_bytes_waiting,
+    too_many_connections,
+)
+from services.runtime.edge.lingering_close import LingeringClose
 from services.runtime.edge.send_deadline import KernelQueueLinger, SendWatch, reset
 
 __all__ = ["ConnectionLimits", "ConnectionStats", "error_bytes", "guarded_protocol"]
@@ -49,6 +58,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
     if linger is None:
         linger = KernelQueueLinger(limits.send_timeout_s, limits.max_connections)
     room = ConnectionRoom(limits.max_connections)
+    lingering = LingeringClose(limits.max_connections)
 
     def too_large(what: str) -> Refusal:
         return Refusal(431, "headers_too_large", what, "headers_too_large")
@@ -93,7 +103,8 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             """Closed to make room for a newcomer (connection_room): silently when idle, with a
             503 when a head was arriving."""
             stats.evicted += 1
-            arriving = not self._broken and (self._phase == HEAD or self._waiting_bytes > 0)
+            arriving = not self._broken and (self._phase == HEAD or self._waiting_bytes > 0
+                                             or has_bytes_waiting(self.transport))
             self._broken = True
             self._disarm()
             if arriving:
@@ -121,7 +132,9 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 self._send_watch.stop()
             if exc is None and not self._was_reset:
                 sock = self.transport.get_extra_info("socket")
-                if sock is not None:
+                # a body still arriving is read and dropped after the answer (its reset would
+                # destroy the answer); else the answer's unsent tail is watched
+                if sock is not None and not lingering.adopt(self.loop, sock):
                     linger.adopt(self.loop, sock)
             super().connection_lost(exc)
 

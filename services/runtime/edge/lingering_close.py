@@ -1,0 +1,95 @@
+"""A lingering close for connections answered before their request body was read whole.
+
+A request refused from its headers (413 for a declared size over the limit, 503 while the
+memory its body would need is taken, 408 at a deadline) is answered and its connection
+closed while the client is still sending the body. Closing a socket whose receive queue
+holds unread bytes makes Linux send a reset instead of a FIN, and the reset destroys the
+answer in the client's own queue: a client that sends its whole body before it reads (httpx,
+requests, curl) sees "connection reset" instead of the 413 or the 503 that tells it what to
+do. As nginx's ``lingering_close``, the socket is kept after the connection is over: its
+side is shut (the FIN follows the answer), and what the client still sends is read and
+dropped until it closes its side, stays silent for ``IDLE_S``, or ``TOTAL_S`` have passed.
+Reads go into one reused buffer: nothing is kept. At most ``limit`` sockets linger; beyond,
+one is closed at once, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import socket
+import struct
+import termios
+
+IDLE_S = 5.0          # silence after which the client is taken to be gone (nginx: lingering_timeout)
+TOTAL_S = 30.0        # the longest a socket lingers (nginx: lingering_time)
+READ_BYTES = 256 * 1024
+
+
+def unread_bytes(fd: int) -> int:
+    """Bytes the client sent that nobody read (FIONREAD); 0 where the kernel cannot say."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+    except (OSError, AttributeError, ValueError):
+        return 0
+
+
+class LingeringClose:
+    def __init__(self, limit: int, idle_s: float = IDLE_S, total_s: float = TOTAL_S):
+        self.limit, self.idle_s, self.total_s = limit, idle_s, total_s
+        self.count = 0
+        self.drained_bytes = 0
+        self._buffer = bytearray(READ_BYTES)
+
+    def adopt(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bool:
+        """Called from ``connection_lost`` of a connection closed normally: True when the
+        socket had unread bytes and lingers now (the caller does nothing more with it)."""
+        try:
+            fd = sock.fileno()
+        except (OSError, ValueError):
+            return False
+        if fd < 0 or unread_bytes(fd) <= 0 or self.count >= self.limit:
+            return False
+        try:
+            kept = socket.socket(fileno=os.dup(fd))
+            kept.setblocking(False)
+            kept.shutdown(socket.SHUT_WR)
+        except OSError:
+            return False
+        self.count += 1
+        state = {"last": loop.time(), "timer": None}
+        started = loop.time()
+        view = memoryview(self._buffer)
+
+        def done() -> None:
+            loop.remove_reader(kept.fileno())
+            if state["timer"] is not None:
+                state["timer"].cancel()
+            self.count -= 1
+            kept.close()
+
+        def readable() -> None:
+            try:
+                n = kept.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                done()
+                return
+            if n == 0:  # the client closed its side: its answer was read or will be
+                done()
+                return
+            self.drained_bytes += n
+            state["last"] = loop.time()
+
+        def check() -> None:
+            now = loop.time()
+            if now - state["last"] >= self.idle_s or now - started >= self.total_s:
+                done()
+                return
+            state["timer"] = loop.call_later(min(1.0, self.idle_s / 2), check)
+
+        loop.add_reader(kept.fileno(), readable)
+        state["timer"] = loop.call_later(min(1.0, self.idle_s / 2), check)
+        return True
