@@ -6,7 +6,7 @@ import base64
 import io
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -26,6 +26,22 @@ def style_settings() -> dict[str, Any]:
 def diffusers_settings(model_dir) -> dict[str, Any]:
     return {"backend": "diffusers", "model_path": str(model_dir), "max_side": 64, "max_steps": 1000,
             "request_timeout_s": 120, "scheduler": "ddim", "max_batch_size": 2, "device": "cpu"}
+
+
+def webui_service(backend: str, tmp_path_factory, **extra: Any) -> Iterator[Any]:
+    """The body of the webui tests' module fixture: an img2img service on the style backend or
+    on a tiny diffusers pipeline (``backend``), with ``extra`` settings; ``service.backend``
+    says which."""
+    from tests.models import tiny_sd_img2img
+    from tests.service_harness import ServiceProcess
+
+    if backend == "style":
+        settings = style_settings()
+    else:
+        settings = diffusers_settings(tiny_sd_img2img(tmp_path_factory.mktemp("sd") / "tiny-sd"))
+    with ServiceProcess(APP, {**settings, **extra}, tmp_path_factory.mktemp(backend)) as service:
+        service.backend = backend
+        yield service
 
 
 def picture(width: int = 96, height: int = 64) -> Image.Image:

@@ -19,9 +19,7 @@ from sd_backend_client.api.shared_data.backend_options import BackendOption
 from sd_backend_client.api.webui.diffusion_request_body import DiffusionRequestBody
 from sd_backend_client.api.webui.response_formats import GenerationInfoData
 
-from tests.models import tiny_sd_img2img
-from tests.service_harness import ServiceProcess
-from tests.webui_helpers import APP, box_mask, diffusers_settings, picture, pixels, style_settings
+from tests.webui_helpers import box_mask, picture, pixels, webui_service
 
 STATE_KEYS = {"skipped", "interrupted", "stopping_generation", "job", "job_count", "job_timestamp", "job_no",
               "sampling_step", "sampling_steps"}
@@ -30,13 +28,7 @@ ERROR_KEYS = {"error", "detail", "body", "errors"}
 
 @pytest.fixture(scope="module", params=["style", "diffusers"])
 def svc(request, tmp_path_factory):
-    if request.param == "style":
-        settings = style_settings()
-    else:
-        settings = diffusers_settings(tiny_sd_img2img(tmp_path_factory.mktemp("sd") / "tiny-sd"))
-    with ServiceProcess(APP, settings, tmp_path_factory.mktemp(request.param)) as service:
-        service.backend = request.param
-        yield service
+    yield from webui_service(request.param, tmp_path_factory)
 
 
 def client(svc) -> webuiapi.WebUIApi:

@@ -20,20 +20,18 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 from sd_backend_client.api.a1111_webservice import A1111Webservice
 
-from tests.models import tiny_sd_img2img
-from tests.service_harness import ServiceProcess
-from tests.webui_helpers import APP, assert_webui_error, b64, diffusers_settings, picture, pixels, style_settings
+from tests.webui_helpers import (
+    assert_webui_error,
+    b64,
+    picture,
+    pixels,
+    webui_service,
+)
 
 
 @pytest.fixture(scope="module", params=["style", "diffusers"])
 def svc(request, tmp_path_factory):
-    if request.param == "style":
-        settings = style_settings()
-    else:
-        settings = diffusers_settings(tiny_sd_img2img(tmp_path_factory.mktemp("sd") / "tiny-sd"))
-    with ServiceProcess(APP, {**settings, "max_pixels": 4_000_000}, tmp_path_factory.mktemp(request.param)) as service:
-        service.backend = request.param
-        yield service
+    yield from webui_service(request.param, tmp_path_factory, max_pixels=4_000_000)
 
 
 def api(svc) -> webuiapi.WebUIApi:

@@ -10,21 +10,14 @@ import jsonschema
 import pytest
 from openapi_spec_validator import validate as validate_spec
 
-from tests.models import tiny_sd_img2img
-from tests.service_harness import ServiceProcess
-from tests.webui_helpers import APP, b64, diffusers_settings, picture, style_settings
+from tests.webui_helpers import b64, picture, webui_service
 
 HTTP_METHODS = ("get", "post", "put", "patch", "delete")
 
 
 @pytest.fixture(scope="module", params=["style", "diffusers"])
 def svc(request, tmp_path_factory):
-    if request.param == "style":
-        settings = style_settings()
-    else:
-        settings = diffusers_settings(tiny_sd_img2img(tmp_path_factory.mktemp("sd") / "tiny-sd"))
-    with ServiceProcess(APP, settings, tmp_path_factory.mktemp(request.param)) as service:
-        service.backend = request.param
+    for service in webui_service(request.param, tmp_path_factory):
         service.doc = httpx.get(service.url + "/openapi.json").json()
         yield service
 
