@@ -1,4 +1,5 @@
-"""Connection slots for the supervisor's two servers (the probe port, the control socket).
+"""Connection slots for the supervisor's two servers (the probe port, the control socket), and
+the close they share.
 
 A bounded number of connections is open at once. When every slot is taken, a newcomer is
 not turned away: the connection that has waited longest without sending anything is closed
@@ -12,6 +13,7 @@ every slot holds a request being answered is a newcomer closed at once.
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import struct
 import termios
@@ -72,3 +74,19 @@ class Slots:
         self._empty.pop(writer, None)
         self._partial.pop(writer, None)
         self._busy.discard(writer)
+
+
+class ClosableServer:
+    """What the supervisor's two servers share: closed once, waiting a bounded time for the
+    connections being answered."""
+
+    _server: asyncio.AbstractServer | None = None
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+            except TimeoutError:
+                pass
+            self._server = None

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from supervisor.config.settings import SupervisorSettings
-from supervisor.servers.connection_slots import Slots
+from supervisor.servers.connection_slots import ClosableServer, Slots
 
 MAX_REQUEST = 8 * 1024
 REQUEST_TIMEOUT_S = 5.0   # to write an answer to a client that reads slowly
@@ -91,23 +91,10 @@ def prepare_socket_path(path: str) -> None:
             probe.close()
 
 
-class _Server:
-    _server: asyncio.AbstractServer | None = None
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            try:
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
-            except TimeoutError:
-                pass
-            self._server = None
-
-
 ControlHandler = Callable[[str], Awaitable[bytes]]
 
 
-class ControlServer(_Server):
+class ControlServer(ClosableServer):
     """Unix socket: a client sends one line (``status`` or ``stop``), gets one JSON document.
 
     Idle clients (connected, no command yet) have `idle_timeout_s` to send it and make room
@@ -155,7 +142,7 @@ class ControlServer(_Server):
 
     async def recreate(self) -> None:
         """Bind the socket again at its path (after someone deleted it)."""
-        await _Server.close(self)
+        await ClosableServer.close(self)
         await self.start()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from common import http1
 from supervisor.config.settings import SupervisorSettings
-from supervisor.servers.connection_slots import Slots
+from supervisor.servers.connection_slots import ClosableServer, Slots
 
 BACKLOG = 1024
 ALL_INTERFACES = ("", "*")
@@ -36,7 +36,7 @@ class ProbePortError(Exception):
         self.taken = taken
 
 
-class ProbePortServer:
+class ProbePortServer(ClosableServer):
     """``routes`` maps a path to a function returning its answer; its address and limits are
     the ``health_*`` settings (a new limit is a key there and its use here)."""
 
@@ -74,15 +74,6 @@ class ProbePortServer:
                 self.host = "0.0.0.0"
                 return await self.start()
             raise ProbePortError(f"cannot listen on {self.where()} for probes: {exc}") from None
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            try:
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
-            except TimeoutError:
-                pass
-            self._server = None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         before = self.refused

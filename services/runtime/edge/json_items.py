@@ -16,13 +16,14 @@ a long prompt holds a few hundred).
 
 from __future__ import annotations
 
+import itertools
 import re
 
 from services.runtime.errors import ApiError
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _BRACKETS_ONLY = bytes(b for b in range(256) if b not in b"[]{}")
-_DEPTH_BLOCK = 1 << 20
+_STEP = [1 if b in b"[{" else -1 for b in range(256)]
 
 # A body refused before it was read whole keeps arriving; the client is told the
 # connection closes, so that it does not send its next request on it.
@@ -46,21 +47,12 @@ def too_complex(max_items: int) -> ApiError:
 
 
 def nests_deeper_than(data: bytes | bytearray, max_depth: int) -> bool:
-    """Do the arrays and objects of ``data`` (a JSON text, or the start of one) nest deeper
-    than ``max_depth``? Strings are dropped, the brackets kept, and the running depth (+1 for
-    an opening bracket, -1 for a closing one) is summed a block at a time with numpy: C speed
-    and a bounded temporary. CPU work for a big body: off the event loop."""
-    import numpy as np
-
-    brackets = np.frombuffer(_STRING.sub(b"", bytes(data)).translate(None, _BRACKETS_ONLY), dtype=np.uint8)
-    depth = 0
-    for start in range(0, len(brackets), _DEPTH_BLOCK):
-        block = brackets[start:start + _DEPTH_BLOCK]
-        running = depth + np.cumsum(np.where((block == 0x5B) | (block == 0x7B), 1, -1).astype(np.int32))
-        if int(running.max()) > max_depth:
-            return True
-        depth = int(running[-1])
-    return False
+    """Do the arrays and objects of ``data`` (a JSON text, or the start of one; only its first
+    DEPTH_SCAN_MAX bytes are looked at) nest deeper than ``max_depth``? Strings are dropped,
+    the brackets kept, and the running depth (+1 for an opening bracket, -1 for a closing
+    one) is summed by C iterators: about 50 ms for a megabyte of nothing but brackets."""
+    brackets = _STRING.sub(b"", bytes(data[:DEPTH_SCAN_MAX])).translate(None, _BRACKETS_ONLY)
+    return bool(brackets) and max(itertools.accumulate(map(_STEP.__getitem__, brackets))) > max_depth
 
 
 def check_json_items(body: bytes | bytearray, max_items: int, max_depth: int | None = None) -> None:
@@ -68,7 +60,7 @@ def check_json_items(body: bytes | bytearray, max_items: int, max_depth: int | N
     ``json_too_deep`` instead when, besides, it nests deeper than ``max_depth`` (the answer a
     deep document gets when it is small: the same class of body gets the same answer)."""
     if structural_bytes(body) > max_items:
-        if max_depth is not None and nests_deeper_than(body, max_depth):
+        if max_depth is not None and nests_deeper_than(body, max_depth):  # its first MiB
             raise ApiError(400, "json_too_deep", f"the JSON body nests deeper than {max_depth} levels")
         raise too_complex(max_items)
 
