@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from PIL import Image
 
+import onecard
 from services.detect.backends import CenterFaceBackend, DetectItem
 from services.detect.settings import DetectSettings
 from services.img2img.params import Img2ImgItem, parse_style
@@ -33,8 +34,8 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
 
     async def lifespan(app):
         apply_threads(planned_threads())
-        detect.load()
-        img2img.load()
+        detect.load(onecard.Setup("detect", detect.settings, planned_threads()))
+        img2img.load(onecard.Setup("img2img", img2img.settings, planned_threads()))
         detect.infer_batch(detect.warmup_items())
         img2img.infer_batch(img2img.warmup_items())
         ready["ok"] = True
