@@ -131,8 +131,9 @@ def sections() -> list[Section]:
         Section("img2img", "`[services.img2img.settings]`", "The img2img service's own keys, and the defaults it "
                 "changes ([webui.md](webui.md) for the webui API's limits).", Img2ImgSettings, only_own=True),
         Section("jobs", "`[services.jobs.settings]`", "The jobs service's own keys, and the defaults it changes "
-                "([jobs.md](jobs.md)). The issue's `[queue]` table is `[services.jobs.settings.queue]`, because "
-                "the supervisor's top level is strict.", JobsSettings, only_own=True),
+                "([jobs.md](jobs.md)); it has every service's connection limits, credentials and loop watchdog "
+                "(above), and its probes are served on the private unix socket too. The issue's `[queue]` table "
+                "is `[services.jobs.settings.queue]`, because the supervisor's top level is strict.", JobsSettings, only_own=True),
         Section("queue", "`[services.jobs.settings.queue]`", "The queue: without `url` (or `url_env`) the jobs "
                 "stay in the jobs service's memory; with one, on Redis Streams ([many-units.md](many-units.md)).",
                 QueueSettings),
