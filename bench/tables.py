@@ -93,6 +93,9 @@ def headline_rows(r: dict[str, dict]) -> list[tuple]:
         rows.append(("death detection median / p99",
                      f"{s['detection_ms']['median']:.1f} / {s['detection_ms']['p99']:.1f} ms",
                      f"{s['detection_ms']['trials']} trials", "median <= 50 ms"))
+        gone = s["supervisor_gone_after_death_ms"]
+        rows.append(("supervisor gone after a child's death, median / p99",
+                     f"{gone['median']:.0f} / {gone['p99']:.0f} ms", "", "<= 1 s"))
         rows.append(("onecard status wall time, median", f"{s['status_wall_s']['median']:.3f} s", "", "<= 0.3 s"))
         rows.append(("supervisor idle CPU", f"{s['idle_cpu_percent_of_core']:.3f} % of a core",
                      f"over {s['idle_window_s']:g} s", "<= 0.2 %"))
@@ -107,7 +110,8 @@ def headline_rows(r: dict[str, dict]) -> list[tuple]:
 
 
 HEADLINE = ("detect served/bare throughput at concurrency 32, batching on", "serving overhead at concurrency 1",
-            "detect p99 under saturated img2img / alone", "death detection median / p99",
+            "detect p99 under saturated img2img / alone", "naive design detect p99", "death detection median / p99",
+            "supervisor gone after", "/healthz p50 / p99 under img2img concurrency 8",
             "onecard status wall time, median", "supervisor idle CPU", "supervisor RSS", "soak: ")
 
 
@@ -175,8 +179,8 @@ def render_page(r: dict[str, dict]) -> str:
 
 def render_headline(r: dict[str, dict]) -> str:
     rows = [row for row in headline_rows(r) if row[0].startswith(HEADLINE)]
-    when = sorted({doc.get("when", "?")[:10] for doc in r.values()})
-    cpus = sorted({str(doc.get("machine", {}).get("cpus", "?")) for doc in r.values()})
+    when = sorted({doc["when"][:10] for doc in r.values() if "when" in doc}) or ["?"]
+    cpus = sorted({str(doc["machine"]["cpus"]) for doc in r.values() if "machine" in doc}) or ["?"]
     lines = [BEGIN]
     if rows:
         lines += [markdown([(m, f, t) for m, f, _, t in rows], ("measure", "figure", "target")), "",
