@@ -101,6 +101,15 @@ def test_the_benchmark_tables_are_the_published_result_files():
         "the README's headline figures are stale: run .venv/bin/python -m bench.tables"
 
 
+def test_the_pictures_are_drawn_from_published_result_files():
+    from bench import plots, tables
+    pictures = [p.name for p in (DOCS / "img").glob("*.png")]
+    assert pictures
+    for picture in pictures:
+        (source,) = [name for name in plots.PLOTS if picture.startswith(f"{name}-")]
+        assert (tables.PUBLISHED / f"{source}.json").exists(), f"docs/img/{picture} has no published result file"
+
+
 def test_the_tables_are_read_from_the_result_files(tmp_path):
     from bench import tables
     level = {"p50_ms": 10.0, "p95_ms": 15.0, "p99_ms": 20.0, "throughput_rps": 50.0}
