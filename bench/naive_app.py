@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 from typing import Any
 
 import numpy as np
@@ -45,7 +46,9 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz():
-        return JSONResponse({"ready": ready["ok"]}, status_code=200 if ready["ok"] else 503)
+        # the harness takes only an answer that names the instance it started
+        return JSONResponse({"ready": ready["ok"]}, status_code=200 if ready["ok"] else 503,
+                            headers={"X-Onecard-Instance": os.environ.get("ONECARD_INSTANCE_TOKEN", "")})
 
     # the naive design decodes and encodes on the event loop, as many services do
     @app.post("/api/v1/facedetect")
