@@ -184,8 +184,10 @@ def render_headline(r: dict[str, dict]) -> str:
     lines = [BEGIN]
     if rows:
         lines += [markdown([(m, f, t) for m, f, _, t in rows], ("measure", "figure", "target")), "",
-                  f"Measured {' to '.join(dict.fromkeys([when[0], when[-1]]))} on {'/'.join(cpus)} CPUs, no GPU; "
-                  "every figure and its source file: [docs/bench-figures.md](docs/bench-figures.md)."]
+                  f"Measured {' to '.join(dict.fromkeys([when[0], when[-1]]))} on {'/'.join(cpus)} CPUs without a GPU "
+                  "(the targets are meant for a GPU host; how the runs were made and how to read them: "
+                  "[docs/benchmarks.md](docs/benchmarks.md)); every figure and its source file: "
+                  "[docs/bench-figures.md](docs/bench-figures.md)."]
     else:
         lines += ["No benchmark result is published yet ([docs/benchmarks.md](docs/benchmarks.md))."]
     return "\n".join([*lines, END])
