@@ -29,6 +29,7 @@ import json, os, sys, time
 sys.path.insert(0, {root!r})
 import numpy as np
 from PIL import Image
+import onecard
 from services.runtime.device.threads import apply_threads
 from services.img2img.params import Img2ImgItem
 from services.img2img.progress import Progress
@@ -37,7 +38,7 @@ from services.img2img.settings import Img2ImgSettings
 threads = int(os.environ["ONECARD_SERVICE_THREADS"])
 b = DiffusersBackend(Img2ImgSettings(backend="diffusers", model_path={model!r}, max_side={side}, scheduler="ddim"),
                      Progress())
-b.load()
+b.load(onecard.Setup("img2img", b.settings, threads))
 apply_threads(threads)
 src = Image.fromarray(np.random.default_rng(0).integers(0, 255, ({side}, {side}, 3), dtype=np.uint8))
 def one(seed):

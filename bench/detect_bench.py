@@ -27,13 +27,14 @@ MAX_SIDE = 320
 
 def bare_backend(batch: int):
     os.environ["ONECARD_SERVICE_THREADS"] = str(THREADS)
+    import onecard
     from services.detect.backends import CenterFaceBackend, DetectItem
     from services.detect.settings import DetectSettings
     from services.runtime.codecs.images import DecodeLimits, decode_image
     from services.runtime.device.threads import apply_threads
     apply_threads(THREADS)
     b = CenterFaceBackend(DetectSettings(max_side=MAX_SIDE, max_batch_size=max(batch, 2)))
-    b.load()
+    b.load(onecard.Setup("detect", b.settings, THREADS))
     limits = DecodeLimits(max_pixels=10**9)
     # the service decodes a JPEG the model shrinks anyway at reduced scale: so does the baseline
     return b, DetectItem, lambda data, _unused=None: decode_image(data, limits, MAX_SIDE)

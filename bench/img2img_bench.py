@@ -133,6 +133,7 @@ def main() -> int:
 
     # ---- the bare pipeline, in this process -------------------------------------------
     os.environ["ONECARD_SERVICE_THREADS"] = str(threads)
+    import onecard
     from services.img2img.params import Img2ImgItem
     from services.img2img.progress import Progress
     from services.img2img.sd import DiffusersBackend
@@ -140,7 +141,7 @@ def main() -> int:
     from services.runtime.codecs.images import encode_image
     from services.runtime.device.threads import apply_threads
     backend = DiffusersBackend(Img2ImgSettings.model_validate(settings), Progress())
-    backend.load()
+    backend.load(onecard.Setup("img2img", backend.settings, threads))
     apply_threads(threads)
 
     def bare_batch(n: int):

@@ -69,6 +69,7 @@ def img2img_throughput(duration: float, conc: int) -> dict:
     os.environ["ONECARD_SERVICE_THREADS"] = "1"
     from PIL import Image
 
+    import onecard
     from services.img2img.params import Img2ImgItem, parse_style
     from services.img2img.progress import Progress
     from services.img2img.settings import Img2ImgSettings
@@ -78,7 +79,7 @@ def img2img_throughput(duration: float, conc: int) -> dict:
     apply_threads(1)
     cfg = Img2ImgSettings.model_validate(IMG2IMG)
     backend = StyleBackend(cfg, Progress())
-    backend.load()
+    backend.load(onecard.Setup("img2img", cfg, 1))
     data = bench_images()[0][0]
     limits = DecodeLimits(max_pixels=10**9)
 

@@ -35,7 +35,7 @@ from tests.images import astronaut, encode
 from tests.jobs_harness import DETECT_APP, TARGET_APP, Unit, b64, start_units
 from tests.redis_server import RedisServer
 
-HAAR = "detect/haar/haarcascade_frontalface_default.xml"
+HAAR = "detect/haar/haarcascade_frontalface_default"  # the label drops the file's extension
 
 
 def small_face() -> str:

@@ -28,7 +28,8 @@ BARE = {
 
 
 def bare_once() -> float:
-    code = ("import time, sys; t0 = time.perf_counter(); {imp}; s = S(); b = B(s); b.load(); "
+    code = ("import time, sys; t0 = time.perf_counter(); import onecard; {imp}; s = S(); b = B(s); "
+            "b.load(onecard.Setup('bare', s, 1)); "
             "items = b.warmup_items(); [b.infer_batch(items) for _ in range(s.warmup_runs)]")
     env_threads = {"ONECARD_SERVICE_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     import os

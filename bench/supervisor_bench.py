@@ -91,6 +91,9 @@ def main() -> int:
             rss = sup.memory_info().rss
 
     result = {
+        # what bench.common.write_result stamps on every other result file
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "detection_ms": {"median": 1000 * statistics.median(detect), "p99": 1000 * pct(detect, 99),
                          "trials": len(detect)},
         "supervisor_gone_after_death_ms": {"median": 1000 * statistics.median(gone), "p99": 1000 * pct(gone, 99)},

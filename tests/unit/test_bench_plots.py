@@ -1,4 +1,4 @@
-"""bench/plots.py turns the benchmarks' result files into PNGs, and docs/operations.md shows
+"""bench/plots.py turns the benchmarks' result files into PNGs, and docs/benchmarks.md shows
 the ones committed under docs/img/."""
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def test_without_results_it_says_what_to_run(tmp_path):
     assert "run a benchmark first" in done.stderr and not (tmp_path / "img").exists()
 
 
-def test_the_operations_page_shows_the_committed_pictures():
-    page = (ROOT / "docs" / "operations.md").read_text()
+def test_the_benchmarks_page_shows_the_committed_pictures():
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
     shown = set(re.findall(r"!\[[^\]]*\]\(img/([^)]+\.png)\)", page))
     committed = {p.name for p in (ROOT / "docs" / "img").glob("*.png")}
     assert shown and shown == committed
