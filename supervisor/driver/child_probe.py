@@ -1,7 +1,7 @@
 """Probing a child: a GET (common/http1.py) over its unix probe socket or TCP port, and the
 check that the answer comes from that child and not from whatever holds its port.
 
-Identity, in order (documented in the README):
+Identity, in order (documented in docs/operating.md):
 1. the answer names an instance (``X-Onecard-Instance`` header or ``"instance"`` in the
    JSON body): it must be the token this spawn got in ``ONECARD_INSTANCE_TOKEN``;
 2. else a ``"pid"`` in the JSON body must be a process of the child's tree;

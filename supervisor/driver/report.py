@@ -2,7 +2,7 @@
 
 Built on the loop from plain data (a `UnitView`) and the sampler's last sample: nothing
 here walks /proc or calls NVML. The status document's keys are stable (version 1; keys
-are only ever added) and documented in the README.
+are only ever added) and documented in docs/operating.md.
 """
 
 from __future__ import annotations
