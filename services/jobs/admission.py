@@ -2,12 +2,18 @@
 
 A submit holds its body, the parsed document and the body re-encoded for the service at
 once: about three times its size. Each one takes that much of ``submit_memory_bytes``
-when its headers arrive (its Content-Length, or max_body_bytes when it sends none), and a
-submit that does not fit gets 503 at once, before a byte of its body is read: 200
-concurrent 30 MB submits cannot hold 200 bodies.
+when its headers arrive (its Content-Length, or max_body_bytes when it sends none), before
+a byte of its body is read: 200 concurrent 30 MB submits cannot hold 200 bodies. One that
+does not fit waits its turn (first come, first served: a small one does not overtake a big
+one that came first) while its body waits in the client's socket, for at most
+``submit_wait_s``; then 503 ``busy``. A burst of big submits is answered one by one
+(each its own 202 or 4xx) instead of mostly 503s.
 """
 
 from __future__ import annotations
+
+import asyncio
+import collections
 
 from services.runtime.errors import ApiError
 
@@ -15,22 +21,63 @@ HELD_PER_BODY_BYTE = 3
 
 
 class SubmitBudget:
-    def __init__(self, total: int, retry_after_s: int):
-        self.total, self.retry_after_s = total, retry_after_s
+    def __init__(self, total: int, retry_after_s: int, wait_s: float = 0.0):
+        self.total, self.retry_after_s, self.wait_s = total, retry_after_s, wait_s
         self.used = 0
+        self.waited = 0    # submits that waited for room
+        self.refused = 0   # submits that waited in vain
+        self._line: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
 
     def cost(self, content_length: str | None, max_body_bytes: int) -> int:
         declared = int(content_length) if content_length is not None and content_length.strip().isdigit() else None
         size = min(declared, max_body_bytes) if declared is not None else max_body_bytes
         return min(self.total, HELD_PER_BODY_BYTE * max(size, 1))
 
-    def take(self, n: int) -> Held:
-        if self.used + n > self.total:
-            raise ApiError(503, "busy", f"submits being read hold {self.used} of submit_memory_bytes "
-                           f"({self.total}); this one needs {n}; retry shortly",
-                           {"Retry-After": str(self.retry_after_s or 1), "Connection": "close"})
-        self.used += n
+    async def take(self, n: int) -> Held:
+        """Room for ``n`` bytes now, or once it is this submit's turn and they fit."""
+        if not self._line and self.used + n <= self.total:
+            self.used += n
+            return Held(self, n)
+        if self.wait_s <= 0:
+            raise self._busy(n)
+        future = asyncio.get_running_loop().create_future()
+        self._line.append((n, future))
+        self.waited += 1
+        try:
+            await asyncio.wait_for(asyncio.shield(future), self.wait_s)
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            if future.done() and not future.cancelled():  # granted just as the wait ended
+                self._give_back(n)
+            else:
+                future.cancel()
+                self._line = collections.deque(w for w in self._line if w[1] is not future)
+                self._serve_line()  # the next one may fit now that this one left the head
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            self.refused += 1
+            raise self._busy(n) from None
         return Held(self, n)
+
+    def _busy(self, n: int) -> ApiError:
+        return ApiError(503, "busy", f"submits being read hold {self.used} of submit_memory_bytes "
+                        f"({self.total}); this one needs {n}; retry shortly",
+                        {"Retry-After": str(self.retry_after_s or 1), "Connection": "close"})
+
+    def _give_back(self, n: int) -> None:
+        self.used -= n
+        self._serve_line()
+
+    def _serve_line(self) -> None:
+        while self._line:
+            n, future = self._line[0]
+            if future.done():
+                self._line.popleft()
+                continue
+            if self.used + n > self.total:
+                return
+            self._line.popleft()
+            self.used += n
+            future.set_result(None)
 
 
 class Held:
@@ -38,8 +85,9 @@ class Held:
         self.budget, self.n = budget, n
 
     def release(self) -> None:
-        self.budget.used -= self.n
-        self.n = 0
+        if self.n:
+            n, self.n = self.n, 0
+            self.budget._give_back(n)
 
     def __enter__(self) -> Held:
         return self

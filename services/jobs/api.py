@@ -94,7 +94,7 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
         if idem is not None and not IDEMPOTENCY_KEY_RE.fullmatch(idem):
             raise ApiError(400, "bad_idempotency_key", "Idempotency-Key: 1 to 255 visible ASCII characters")
         # admitted against the memory bound before a byte of the body is read
-        with svc.submits.take(svc.submits.cost(request.headers.get("content-length"), settings.max_body_bytes)):
+        with await svc.submits.take(svc.submits.cost(request.headers.get("content-length"), settings.max_body_bytes)):
             return await _submit(request, idem)
 
     async def _submit(request: Request, idem: str | None) -> Any:

@@ -70,7 +70,9 @@ class JobsPart(ServicePart):
             "latency_p99_ms": running["p99_ms"],
             "jobs": {"mode": svc.broker.mode, "node": svc.node, "queue_reachable": svc.queue_reachable,
                      "queue_refuses_writes": svc.broker.refusal, "queue_data_lost_at": svc.registry.data_lost_at,
-                     "streams": streams, "stages": svc.stages(), "counts": dict(counts)},
+                     "streams": streams, "stages": svc.stages(), "counts": dict(counts),
+                     "submits": {"held_bytes": svc.submits.used, "waiting": len(svc.submits._line),
+                                 "waited": svc.submits.waited, "refused": svc.submits.refused}},
         }
 
     async def before_scrape(self) -> None:

@@ -63,7 +63,7 @@ class JobsService:
         self._startup_task: asyncio.Task | None = None
         self.executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="onecard-jobs-cpu")
         self._processes: concurrent.futures.ProcessPoolExecutor | None = None  # big submits, started on first use
-        self.submits = SubmitBudget(settings.submit_memory_bytes, settings.retry_after_s)
+        self.submits = SubmitBudget(settings.submit_memory_bytes, settings.retry_after_s, settings.submit_wait_s)
         self.result_streams = 0
         self.registry = Registry(self.broker, lambda: [t.model_info() for t in self.targets if t.label],
                                  self.metrics, settings.queue.announce_period_s)

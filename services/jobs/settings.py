@@ -193,8 +193,11 @@ class JobsSettings(ServiceSettings):
     result_reserve_bytes: int = Field(16 * 2**20, ge=0, le=2**31, description="room kept for a job's result at "
                                       "submit when the service's dry run does not say (cost.output_bytes)")
     submit_memory_bytes: int = Field(256 * 2**20, ge=2**20, le=2**40, description="memory that submits being read "
-                                     "and checked may hold together (3 x each body); beyond, 503 busy before the "
-                                     "body is read")
+                                     "and checked may hold together (3 x each body); beyond, a submit waits its turn "
+                                     "before its body is read")
+    submit_wait_s: float = Field(30.0, ge=0, le=600, allow_inf_nan=False, description="longest a submit waits "
+                                 "for room in submit_memory_bytes (first come, first served); then 503 busy "
+                                 "(0: 503 at once)")
     max_result_streams: int = Field(64, ge=1, le=100_000, description="job results sent at once; beyond, 503 busy")
     result_send_timeout_s: float = Field(30.0, gt=0, le=3600, allow_inf_nan=False, description="a client that "
                                          "reads no part of a result for this long is cut off")

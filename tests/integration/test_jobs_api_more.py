@@ -5,6 +5,7 @@ submits admitted against a memory bound before their bodies are read."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import socket
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import psutil
 import pytest
 
@@ -161,7 +163,7 @@ def test_dead_lettered_jobs_are_redriven_by_id_and_by_model(unit):
 def test_submits_are_admitted_against_a_memory_bound_before_their_bodies_are_read(tmp_path):
     u = Unit(tmp_path, "admit", {"scripted": (TARGET_APP, {"model": "m1", "dry_run": True,
                                                              "max_body_bytes": 4 * 2**20})},
-             submit_memory_bytes=4 * 2**20, max_body_bytes=2 * 2**20, body_timeout_s=60)
+             submit_memory_bytes=4 * 2**20, max_body_bytes=2 * 2**20, body_timeout_s=60, submit_wait_s=1)
     held = None
     try:
         start_units(u)
@@ -171,13 +173,15 @@ def test_submits_are_admitted_against_a_memory_bound_before_their_bodies_are_rea
         time.sleep(0.3)
         with socket.create_connection(("127.0.0.1", u.jobs.port), timeout=10) as s:
             s.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: 2000000\r\n\r\n")  # headers only: the answer must not wait for the body
+                      b"Content-Length: 2000000\r\n\r\n")  # headers only: it waits its turn, never its body
             reply = b""
             while chunk := s.recv(65536):  # the answer closes the connection: its body was never read
                 reply += chunk
         assert reply.startswith(b"HTTP/1.1 503"), reply[:300]
         body = json.loads(reply.split(b"\r\n\r\n", 1)[1])
         assert body["error"]["code"] == "busy" and "submit_memory_bytes" in body["error"]["message"]
+        submits = u.api.get("/stats").json()["jobs"]["submits"]
+        assert submits["waited"] == 1 and submits["refused"] == 1  # it waited submit_wait_s for room, in vain
         assert u.api.get("/healthz").status_code == 200
         held.close()
         held = None
@@ -190,6 +194,29 @@ def test_submits_are_admitted_against_a_memory_bound_before_their_bodies_are_rea
     finally:
         if held is not None:
             held.close()
+        u.stop()
+
+
+def test_a_burst_of_big_submits_waits_its_turn_and_each_gets_its_own_answer(tmp_path):
+    """Six 1.5 MB submits at once where the bound holds one: none is refused for the others;
+    they are read one after another, first come first served, and every one is a job."""
+    u = Unit(tmp_path, "burst", {"scripted": (TARGET_APP, {"model": "m1", "dry_run": True,
+                                                             "max_body_bytes": 4 * 2**20})},
+             submit_memory_bytes=5 * 2**20, max_body_bytes=2 * 2**20)
+    try:
+        start_units(u)
+        pad = "x" * (1500 * 1024)
+
+        def submit(i: int) -> httpx.Response:
+            return httpx.post(u.jobs.url + "/v1/jobs", timeout=60,
+                              json={"service": "scripted", "route": WORK, "body": {"tag": f"burst-{i}", "pad": pad}})
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(submit, range(6)))
+        assert [r.status_code for r in answers] == [202] * 6, [r.text[:200] for r in answers]
+        submits = u.api.get("/stats").json()["jobs"]["submits"]
+        assert submits["waited"] >= 1 and submits["refused"] == 0 and submits["held_bytes"] == 0, submits
+    finally:
         u.stop()
 
 

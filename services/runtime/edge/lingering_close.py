@@ -24,7 +24,7 @@ import termios
 
 IDLE_S = 5.0          # silence after which the client is taken to be gone (nginx: lingering_timeout)
 TOTAL_S = 30.0        # the longest a socket lingers (nginx: lingering_time)
-READ_BYTES = 256 * 1024
+READ_BYTES = 1024 * 1024  # a big read per wake-up: few loop turns for a 30 MB tail
 
 
 def unread_bytes(fd: int) -> int:
