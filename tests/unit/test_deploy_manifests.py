@@ -192,12 +192,12 @@ def test_entrypoint_is_run_sh_in_exec_form_with_the_gpu_config():
 def test_build_pins_torch_and_checks_requirements_and_cuda():
     runs = args_of("RUN")
     assert 'pip install "torch==2.13.0"' in runs  # pinned and alone, never an open range
-    (install,) = [r for r in runs if '".[gpu]"' in r]
+    (install,) = [r for r in runs if '".[gpu,otel]"' in r]  # the image can trace (OTEL_* turns it on)
     # the aliases must be in the same resolve as the packages that require their names
     assert "./packaging/onnxruntime-gpu-alias" in install
     assert "./packaging/opencv-python-headless-alias" in install
     assert "-r packaging/model-packages.txt" in install and "--no-deps" not in install
-    order = [install.index(s) for s in ('".[gpu]"', "ldconfig", "pip check", "deploy/check_cuda.py")]
+    order = [install.index(s) for s in ('".[gpu,otel]"', "ldconfig", "pip check", "deploy/check_cuda.py")]
     assert order == sorted(order)
     (base,) = args_of("FROM")
     cuda_major = int(base.split(":")[1].split(".")[0])

@@ -272,3 +272,41 @@ def test_a_deep_document_past_the_items_limit_is_too_deep_not_too_complex():
     with pytest.raises(ApiError) as exc:
         JsonItemCounter(10_000, 32).feed(prefix[100:], prefix[:100])
     assert (exc.value.status, exc.value.code) == (413, "json_too_complex")
+
+
+# ---- lingering close ----------------------------------------------------------------------------
+def test_a_lingering_socket_drops_what_arrives_and_the_oldest_makes_room_for_a_newer_one():
+    """Real sockets: a closed connection with unread bytes lingers (its side shut, what the
+    client sends read and dropped); at the limit the one lingering longest is closed for the
+    newcomer, whose client must still get its answer instead of a reset."""
+    import asyncio
+    import socket
+
+    from services.runtime.edge.lingering_close import LingeringClose
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        lingering = LingeringClose(limit=1, idle_s=30)
+        pairs = [socket.socketpair() for _ in range(2)]
+        try:
+            for _ours, theirs in pairs:
+                theirs.sendall(b"x" * 1000)  # a body the service never read
+                await asyncio.sleep(0.01)
+            assert lingering.adopt(loop, pairs[0][0]) and lingering.count == 1
+            pairs[0][0].close()  # the connection's own descriptor goes; the socket lingers
+            pairs[0][1].sendall(b"y" * 200_000)  # more body: drained, never a reset
+            await asyncio.sleep(0.05)
+            assert lingering.drained_bytes >= 1000
+            assert lingering.adopt(loop, pairs[1][0]) and lingering.count == 1 and lingering.cut_short == 1
+            pairs[1][0].close()
+            pairs[0][1].settimeout(2)
+            assert pairs[0][1].recv(10) == b""  # the oldest was closed to make room (its side shut first)
+            pairs[1][1].shutdown(socket.SHUT_WR)  # the newer client is done sending: it lingers until then
+            await asyncio.sleep(0.05)
+            assert lingering.count == 0
+        finally:
+            for ours, theirs in pairs:
+                ours.close()
+                theirs.close()
+
+    asyncio.run(scenario())

@@ -9,8 +9,10 @@ requests, curl) sees "connection reset" instead of the 413 or the 503 that tells
 do. As nginx's ``lingering_close``, the socket is kept after the connection is over: its
 side is shut (the FIN follows the answer), and what the client still sends is read and
 dropped until it closes its side, stays silent for ``IDLE_S``, or ``TOTAL_S`` have passed.
-Reads go into one reused buffer: nothing is kept. At most ``limit`` sockets linger; beyond,
-one is closed at once, as before.
+Reads go into one reused buffer: nothing is kept. At most ``limit`` sockets linger; a new
+one takes the place of the one lingering longest (it has had the most time to read its
+answer), so clients that keep sending after their answer cannot make a newcomer's answer a
+reset.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import socket
 import struct
 import termios
+from collections.abc import Callable
 
 IDLE_S = 5.0          # silence after which the client is taken to be gone (nginx: lingering_timeout)
 TOTAL_S = 30.0        # the longest a socket lingers (nginx: lingering_time)
@@ -38,9 +41,14 @@ def unread_bytes(fd: int) -> int:
 class LingeringClose:
     def __init__(self, limit: int, idle_s: float = IDLE_S, total_s: float = TOTAL_S):
         self.limit, self.idle_s, self.total_s = limit, idle_s, total_s
-        self.count = 0
         self.drained_bytes = 0
+        self.cut_short = 0  # lingering sockets closed early to make room for a newer one
         self._buffer = bytearray(READ_BYTES)
+        self._kept: dict[socket.socket, Callable[[], None]] = {}  # insertion order: oldest first
+
+    @property
+    def count(self) -> int:
+        return len(self._kept)
 
     def adopt(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bool:
         """Called from ``connection_lost`` of a connection closed normally: True when the
@@ -49,24 +57,27 @@ class LingeringClose:
             fd = sock.fileno()
         except (OSError, ValueError):
             return False
-        if fd < 0 or unread_bytes(fd) <= 0 or self.count >= self.limit:
+        if fd < 0 or unread_bytes(fd) <= 0 or self.limit <= 0:
             return False
+        if self._kept and len(self._kept) >= self.limit:
+            self.cut_short += 1
+            self._kept[next(iter(self._kept))]()
         try:
             kept = socket.socket(fileno=os.dup(fd))
             kept.setblocking(False)
             kept.shutdown(socket.SHUT_WR)
         except OSError:
             return False
-        self.count += 1
         state = {"last": loop.time(), "timer": None}
         started = loop.time()
         view = memoryview(self._buffer)
 
         def done() -> None:
+            if self._kept.pop(kept, None) is None:
+                return  # already done
             loop.remove_reader(kept.fileno())
             if state["timer"] is not None:
                 state["timer"].cancel()
-            self.count -= 1
             kept.close()
 
         def readable() -> None:
@@ -90,6 +101,7 @@ class LingeringClose:
                 return
             state["timer"] = loop.call_later(min(1.0, self.idle_s / 2), check)
 
+        self._kept[kept] = done
         loop.add_reader(kept.fileno(), readable)
         state["timer"] = loop.call_later(min(1.0, self.idle_s / 2), check)
         return True
