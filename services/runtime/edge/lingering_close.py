@@ -1,8 +1,8 @@
 """A lingering close for connections answered before their request body was read whole.
 
-A request refused from its headers (413 for a declared size over the limit, 503 while the
-memory its body would need is taken, 408 at a deadline) is answered and its connection
-closed while the client is still sending the body. Closing a socket whose receive queue
+A request the service answers from its headers (413 for a declared size over the limit, 503
+while the room its body would need is taken, 401) is answered and its connection closed
+while the client is still sending the body. Closing a socket whose receive queue
 holds unread bytes makes Linux send a reset instead of a FIN, and the reset destroys the
 answer in the client's own queue: a client that sends its whole body before it reads (httpx,
 requests, curl) sees "connection reset" instead of the 413 or the 503 that tells it what to
@@ -12,7 +12,8 @@ dropped until it closes its side, stays silent for ``IDLE_S``, or ``TOTAL_S`` ha
 Reads go into one reused buffer: nothing is kept. At most ``limit`` sockets linger; a new
 one takes the place of the one lingering longest (it has had the most time to read its
 answer), so clients that keep sending after their answer cannot make a newcomer's answer a
-reset.
+reset. A connection the edge itself cut (a deadline, a body too slow, a limit of the
+protocol) does not linger: that client gets no more of the service's time.
 """
 
 from __future__ import annotations
@@ -50,14 +51,16 @@ class LingeringClose:
     def count(self) -> int:
         return len(self._kept)
 
-    def adopt(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bool:
+    def adopt(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, body_unfinished: bool = False) -> bool:
         """Called from ``connection_lost`` of a connection closed normally: True when the
-        socket had unread bytes and lingers now (the caller does nothing more with it)."""
+        socket lingers now (the caller does nothing more with it): it had unread bytes, or
+        its request's body was still to come (on a busy machine the answer can be out before
+        the client's first body bytes are)."""
         try:
             fd = sock.fileno()
         except (OSError, ValueError):
             return False
-        if fd < 0 or unread_bytes(fd) <= 0 or self.limit <= 0:
+        if fd < 0 or self.limit <= 0 or not (body_unfinished or unread_bytes(fd) > 0):
             return False
         if self._kept and len(self._kept) >= self.limit:
             self.cut_short += 1

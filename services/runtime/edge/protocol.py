@@ -80,6 +80,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._pending_error: tuple[int, str, str] | None = None
             self._broken = False       # no more parsing on this connection
             self._was_reset = False
+            self._cut = False          # cut by the edge (a deadline, a limit): no lingering close
             self._send_watch: SendWatch | None = None
             self._body_rate: BodyRate | None = None
             self._chunks = 0           # chunk headers of this request's body
@@ -134,7 +135,8 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 sock = self.transport.get_extra_info("socket")
                 # a body still arriving is read and dropped after the answer (its reset would
                 # destroy the answer); else the answer's unsent tail is watched
-                if sock is not None and not lingering.adopt(self.loop, sock):
+                # (not after the edge cut it: a client too slow or over a limit gets no more time)
+                if sock is not None and (self._cut or not lingering.adopt(self.loop, sock, self._phase == BODY)):
                     linger.adopt(self.loop, sock)
             super().connection_lost(exc)
 
@@ -245,6 +247,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
         def _refuse_request(self, refusal: Refusal) -> None:
             """Stop parsing and answer ``refusal``: now, or after the answers still owed to
             earlier requests (the client reads answers in order)."""
+            self._cut = True
             setattr(stats, refusal.counter, getattr(stats, refusal.counter) + 1)
             self._broken = True
             self._disarm()
@@ -336,6 +339,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._cut_request(408, "request_timeout", "the request did not arrive in time")
 
         def _cut_request(self, status: int, code: str, message: str) -> None:
+            self._cut = True
             self._broken = True
             self._disarm()
             if self._phase == BODY and self.cycle is not None and not self.cycle.response_complete:
