@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,25 @@ def assert_error(response: httpx.Response, status: int, code: str | None = None,
     return error
 
 
+def wait_until_ready(proc: subprocess.Popen, url: str, instance: str, timeout_s: float,
+                     output: Callable[[], str]) -> None:
+    """Until ``url``/readyz answers 200 for this instance (not whatever else answers on the
+    port: another run's service); an AssertionError with the service's output when it exits
+    or is not ready within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the service exited {proc.returncode}:\n{output()}")
+        try:
+            r = httpx.get(url + "/readyz", timeout=2)
+            if r.status_code == 200 and r.headers.get("x-onecard-instance") == instance:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"the service was not ready within {timeout_s:g} s:\n{output()}")
+
+
 class ServiceProcess:
     """One service process on a free port, as the supervisor starts it."""
 
@@ -103,18 +123,7 @@ class ServiceProcess:
         return self
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the service exited {self.proc.returncode}:\n{self.output()}")
-            try:
-                r = httpx.get(self.url + "/readyz", timeout=2)
-                if r.status_code == 200 and r.headers.get("x-onecard-instance") == self.instance:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"the service was not ready within {self.ready_timeout_s:g} s:\n{self.output()}")
+        wait_until_ready(self.proc, self.url, self.instance, self.ready_timeout_s, self.output)
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -6,12 +6,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from onecard.testing import wait_until_ready
 from tests.harness import ROOT, free_port
 from tests.reaping import end_process_tree
 
@@ -59,19 +57,7 @@ class ServiceProcess:
         return self
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"service exited {self.proc.returncode}:\n{self.output()}")
-            try:
-                r = httpx.get(self.url + "/readyz", timeout=2)
-                # ours, not whatever else answers on this port (another test run's service)
-                if r.status_code == 200 and r.headers.get("x-onecard-instance") == self.instance:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"service not ready:\n{self.output()}")
+        wait_until_ready(self.proc, self.url, self.instance, timeout, self.output)
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
