@@ -28,6 +28,10 @@ class SubmitBudget:
         self.refused = 0   # submits that waited in vain
         self._line: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
 
+    @property
+    def waiting(self) -> int:
+        return sum(1 for _, future in self._line if not future.done())
+
     def cost(self, content_length: str | None, max_body_bytes: int) -> int:
         declared = int(content_length) if content_length is not None and content_length.strip().isdigit() else None
         size = min(declared, max_body_bytes) if declared is not None else max_body_bytes

@@ -71,7 +71,7 @@ class JobsPart(ServicePart):
             "jobs": {"mode": svc.broker.mode, "node": svc.node, "queue_reachable": svc.queue_reachable,
                      "queue_refuses_writes": svc.broker.refusal, "queue_data_lost_at": svc.registry.data_lost_at,
                      "streams": streams, "stages": svc.stages(), "counts": dict(counts),
-                     "submits": {"held_bytes": svc.submits.used, "waiting": len(svc.submits._line),
+                     "submits": {"held_bytes": svc.submits.used, "waiting": svc.submits.waiting,
                                  "waited": svc.submits.waited, "refused": svc.submits.refused}},
         }
 
