@@ -14,19 +14,9 @@ every slot holds a request being answered is a newcomer closed at once.
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import struct
-import termios
 from typing import Any
 
-
-def has_bytes_waiting(writer: Any) -> bool:
-    """Bytes already sent by the client and not read yet (FIONREAD on its socket)."""
-    try:
-        fd = writer.get_extra_info("socket").fileno()
-        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0] > 0
-    except (OSError, AttributeError, ValueError):
-        return False
+from common.socket_queues import has_bytes_waiting
 
 
 class Slots:

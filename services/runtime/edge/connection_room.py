@@ -21,11 +21,9 @@ Event loop thread only; no lock.
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import struct
-import termios
 from typing import Any, Protocol
 
+from common.socket_queues import has_bytes_waiting
 from services.runtime.edge.connection_limits import error_bytes
 
 LINGER_S = 1.0
@@ -36,15 +34,6 @@ _lingering = [0]  # refused connections still draining, across the process (even
 class Evictable(Protocol):
     def give_way(self) -> None:
         """Close now to make room for a newcomer."""
-
-
-def has_bytes_waiting(transport: Any) -> bool:
-    """Bytes the client already sent that were not read yet (FIONREAD on its socket)."""
-    try:
-        fd = transport.get_extra_info("socket").fileno()
-        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0] > 0
-    except (OSError, AttributeError, ValueError):
-        return False
 
 
 class ConnectionRoom:

@@ -24,6 +24,9 @@ from services.runtime.errors import ApiError
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _BRACKETS_ONLY = bytes(b for b in range(256) if b not in b"[]{}")
 _STEP = [1 if b in b"[{" else -1 for b in range(256)]
+# How much of a body refused for its items is looked at for its depth: the scan is C
+# iterators, but at the edge it runs on the event loop (about 25 ms a MiB of brackets).
+DEPTH_SCAN_MAX = 1 << 20
 
 # A body refused before it was read whole keeps arriving; the client is told the
 # connection closes, so that it does not send its next request on it.
@@ -46,11 +49,15 @@ def too_complex(max_items: int) -> ApiError:
                     f"their '[', '{{' and ',' characters; max_json_items)", CLOSE)
 
 
+def too_deep(max_depth: int, headers: dict[str, str] | None = None) -> ApiError:
+    return ApiError(400, "json_too_deep", f"the JSON body nests deeper than {max_depth} levels", headers)
+
+
 def nests_deeper_than(data: bytes | bytearray, max_depth: int) -> bool:
     """Do the arrays and objects of ``data`` (a JSON text, or the start of one; only its first
     DEPTH_SCAN_MAX bytes are looked at) nest deeper than ``max_depth``? Strings are dropped,
     the brackets kept, and the running depth (+1 for an opening bracket, -1 for a closing
-    one) is summed by C iterators: about 50 ms for a megabyte of nothing but brackets."""
+    one) is summed by C iterators."""
     brackets = _STRING.sub(b"", bytes(data[:DEPTH_SCAN_MAX])).translate(None, _BRACKETS_ONLY)
     return bool(brackets) and max(itertools.accumulate(map(_STEP.__getitem__, brackets))) > max_depth
 
@@ -61,17 +68,8 @@ def check_json_items(body: bytes | bytearray, max_items: int, max_depth: int | N
     deep document gets when it is small: the same class of body gets the same answer)."""
     if structural_bytes(body) > max_items:
         if max_depth is not None and nests_deeper_than(body, max_depth):  # its first MiB
-            raise ApiError(400, "json_too_deep", f"the JSON body nests deeper than {max_depth} levels")
+            raise too_deep(max_depth)
         raise too_complex(max_items)
-
-
-# A body refused for its items is also looked at for its depth when what arrived is at most
-# this big: the peeling passes are C-speed, but they run on the event loop here.
-DEPTH_SCAN_MAX = 1 << 20
-
-
-def too_deep(max_depth: int) -> ApiError:
-    return ApiError(400, "json_too_deep", f"the JSON body nests deeper than {max_depth} levels", CLOSE)
 
 
 class JsonItemCounter:
@@ -92,5 +90,5 @@ class JsonItemCounter:
         if self.count > self.max_items:
             if (self.max_depth is not None and len(before) + len(piece) <= DEPTH_SCAN_MAX
                     and nests_deeper_than(bytes(before) + piece, self.max_depth)):
-                raise too_deep(self.max_depth)
+                raise too_deep(self.max_depth, CLOSE)
             raise too_complex(self.max_items)

@@ -19,24 +19,15 @@ protocol) does not linger: that client gets no more of the service's time.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import os
 import socket
-import struct
-import termios
 from collections.abc import Callable
+
+from common.socket_queues import unread_bytes
 
 IDLE_S = 5.0          # silence after which the client is taken to be gone (nginx: lingering_timeout)
 TOTAL_S = 30.0        # the longest a socket lingers (nginx: lingering_time)
 READ_BYTES = 1024 * 1024  # a big read per wake-up: few loop turns for a 30 MB tail
-
-
-def unread_bytes(fd: int) -> int:
-    """Bytes the client sent that nobody read (FIONREAD); 0 where the kernel cannot say."""
-    try:
-        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
-    except (OSError, AttributeError, ValueError):
-        return 0
 
 
 class LingeringClose:

@@ -36,14 +36,10 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from common.socket_queues import has_bytes_waiting
 from services.runtime.edge.body_pace import BodyRate, chunks_too_small
 from services.runtime.edge.connection_limits import ConnectionLimits, ConnectionStats, Refusal, error_bytes
-from services.runtime.edge.connection_room import (
-    ConnectionRoom,
-    RefusedNewcomer,
-    has_bytes_waiting,
-    too_many_connections,
-)
+from services.runtime.edge.connection_room import ConnectionRoom, RefusedNewcomer, too_many_connections
 from services.runtime.edge.lingering_close import LingeringClose
 from services.runtime.edge.send_deadline import KernelQueueLinger, SendWatch, reset
 

@@ -20,12 +20,12 @@ its queue drains and resets it when it stops.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import os
 import socket
 import struct
-import termios
 from collections.abc import Callable
+
+from common.socket_queues import unsent_bytes
 
 # Sockets closed with more than this still unsent are watched; a smaller tail drains on
 # its own or costs the kernel little.
@@ -46,15 +46,6 @@ def reset(transport: asyncio.BaseTransport) -> None:
         except OSError:
             pass
     transport.abort()
-
-
-def unsent_bytes(fd: int) -> int:
-    """Bytes in a TCP socket's send queue not yet acknowledged by the client (Linux);
-    0 where the kernel cannot say."""
-    try:
-        return struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0]
-    except (OSError, AttributeError, ValueError):
-        return 0
 
 
 class SendWatch:

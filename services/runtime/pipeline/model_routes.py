@@ -178,8 +178,12 @@ class ModelPipeline:
         try:
             charge.hold(n, "the body", wait=True)
         except MemoryWait as wait:
-            left = timing.t0 + self.settings.request_timeout_s - time.perf_counter()
-            await self.scheduler.cost.held.wait_for(charge, wait.needed, wait.what, left)
+            await self._wait_turn(charge, wait, timing)
+
+    async def _wait_turn(self, charge, wait: MemoryWait, timing: Timing) -> None:
+        """Hold what `wait` asks for once it is this request's turn, within its deadline."""
+        left = timing.t0 + self.settings.request_timeout_s - time.perf_counter()
+        await self.scheduler.cost.held.wait_for(charge, wait.needed, wait.what, left)
 
     async def _decode(self, route: ModelRoute, raw: RawRequest, timing: Timing) -> Work | None:
         token = object()
@@ -190,8 +194,7 @@ class ModelPipeline:
                 try:
                     return await self.cpu.run(route.decode, raw)
                 except MemoryWait as wait:  # others hold the room: wait its turn, then decode again
-                    left = timing.t0 + self.settings.request_timeout_s - time.perf_counter()
-                    await self.scheduler.cost.held.wait_for(raw.cost.charge, wait.needed, wait.what, left)
+                    await self._wait_turn(raw.cost.charge, wait, timing)
         except DryRunComplete:
             return None
         finally:

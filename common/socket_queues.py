@@ -1,0 +1,37 @@
+"""What a socket's kernel queues hold, for the servers that decide on it (which connection
+makes room, which one lingers, which answer is stuck): bytes the client sent that nobody
+read yet (FIONREAD), and bytes sent that the client has not acknowledged (TIOCOUTQ, Linux).
+0 (or False) wherever the kernel cannot say."""
+
+from __future__ import annotations
+
+import fcntl
+import struct
+import termios
+from typing import Any
+
+
+def _ioctl_int(fd: int, request: int) -> int:
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, request, b"\0\0\0\0"))[0]
+    except (OSError, AttributeError, ValueError, TypeError):
+        return 0
+
+
+def unread_bytes(fd: int) -> int:
+    """Bytes the client sent on this socket that were not read yet."""
+    return _ioctl_int(fd, termios.FIONREAD)
+
+
+def unsent_bytes(fd: int) -> int:
+    """Bytes in a TCP socket's send queue not yet acknowledged by the client."""
+    return _ioctl_int(fd, termios.TIOCOUTQ)
+
+
+def has_bytes_waiting(transport: Any) -> bool:
+    """Has the client of an asyncio transport (or stream writer) sent bytes not read yet?"""
+    try:
+        fd = transport.get_extra_info("socket").fileno()
+    except (OSError, AttributeError, ValueError):
+        return False
+    return unread_bytes(fd) > 0
