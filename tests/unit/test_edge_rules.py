@@ -310,3 +310,19 @@ def test_a_lingering_socket_drops_what_arrives_and_the_oldest_makes_room_for_a_n
                 theirs.close()
 
     asyncio.run(scenario())
+
+
+def test_the_depth_scan_is_linear_in_a_string_left_open():
+    """256 KiB of \\" pairs in a string never closed, then enough commas to be refused: a
+    pattern retried from every quote takes minutes here (9 s for 64 KB froze a service's
+    loop); the scan must end. Run apart, so that a regression fails instead of hanging."""
+    import subprocess
+    import sys
+
+    code = ("from services.runtime.edge.json_items import JsonItemCounter\n"
+            "from services.runtime.errors import ApiError\n"
+            "body = b'[\"' + b'\\\\\"' * 131072 + b',' * 10001\n"
+            "try:\n    JsonItemCounter(10000, 32).feed(body)\nexcept ApiError as e:\n    print(e.code)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=str(__import__("tests.harness", fromlist=["ROOT"]).ROOT))
+    assert done.stdout.strip() == "json_too_complex", done.stderr

@@ -21,7 +21,11 @@ import re
 
 from services.runtime.errors import ApiError
 
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# A string, or one left open at the end of what arrived: every match attempt from a quote
+# succeeds and consumes up to where it stopped, so the scan is linear (a pattern that can
+# fail after scanning to the end is retried from every later quote: quadratic, seconds for
+# 64 KB of \" pairs without a closing quote).
+_STRING = re.compile(rb'"(?>[^"\\]*(?:\\.[^"\\]*)*)(?:"|\\?\Z)', re.DOTALL)  # DOTALL: a backslash escapes any byte
 _BRACKETS_ONLY = bytes(b for b in range(256) if b not in b"[]{}")
 _STEP = [1 if b in b"[{" else -1 for b in range(256)]
 # How much of a body refused for its items is looked at for its depth: the scan is C
