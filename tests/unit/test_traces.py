@@ -83,7 +83,8 @@ def test_the_infer_span_carries_the_size_of_the_batch_its_items_ran_in(traced):
         def send(tag: str, sleep: float = 0.0):
             return c.post("/api/v1/tint", params={"tag": tag, "sleep": sleep}, content=picture(16, 16), headers=PNG)
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            first = pool.submit(send, "first", 0.3)  # holds the model while the others queue up together
+            first = pool.submit(send, "first", 1.5)  # holds the model while the others queue up together
+            # (1.5 s: on a loaded machine the three must have arrived and decoded by then)
             rest = [pool.submit(send, f"r{i}") for i in range(3)]
             answers = [f.result().json() for f in (first, *rest)]
     by_tag = {a["tag"]: a["batch"] for a in answers}
