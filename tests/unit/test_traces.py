@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -84,11 +85,16 @@ def test_the_infer_span_carries_the_size_of_the_batch_its_items_ran_in(traced):
             return c.post("/api/v1/tint", params={"tag": tag, "sleep": sleep}, content=picture(16, 16), headers=PNG)
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             first = pool.submit(send, "first", 1.5)  # holds the model while the others queue up together
-            # (1.5 s: on a loaded machine the three must have arrived and decoded by then)
+            # the three are sent once the model runs "first", so none can run alone ahead of it
+            # (a loaded machine once delivered them first, each in a call of its own)
+            deadline = time.monotonic() + 30
+            while ["first"] not in c.get("/record").json()["calls"]:
+                assert time.monotonic() < deadline and not first.done(), "the model never ran the first request"
+                time.sleep(0.01)
             rest = [pool.submit(send, f"r{i}") for i in range(3)]
             answers = [f.result().json() for f in (first, *rest)]
     by_tag = {a["tag"]: a["batch"] for a in answers}
-    spans = _requests(traced.exporter)
+    spans = [s for s in _requests(traced.exporter) if s.name == "POST /api/v1/tint"]
     assert len(spans) == 4
     sizes = {}
     for span in spans:
