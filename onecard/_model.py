@@ -79,8 +79,9 @@ class Setup:
         return self.device
 
     def onnx_run_options(self) -> Any:
-        """Run options that hand a call's CPU arena growth back after it (without them one big
-        call's peak stays allocated for the life of the process)."""
+        """Run options for sessions made by ``onnx_session``. Those have no CPU arena (it kept one
+        big call's peak until the next call): a call's big tensors go back to the system as
+        they are freed, so an idle service hands the memory back."""
         return ort_run_options()
 
     def torch_memory_budget(self, torch: Any) -> float | None:
