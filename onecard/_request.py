@@ -144,7 +144,7 @@ class Request:
         cost = self._raw.cost
         if cost is not None and cost.estimate is None:
             scale = min(1.0, max_side / max(header.width, header.height)) if max_side else 1.0
-            inputs = sum(h.pixels for h in self._probe_all())
+            inputs = sum(h.decode_pixels for h in self._probe_all())
             cost.check(items=1, item_pixels=int(header.pixels * scale * scale), input_pixels=inputs,
                        dry_run_stops_here=self._params_read)
         return decode_probed(self._picture(field or self._main_field(), True), header, max_side).rgb

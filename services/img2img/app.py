@@ -108,7 +108,7 @@ class Img2ImgRoutes:
         onecard.check_encodable(header.width, header.height, fmt,
                                 f"the answer (the picture's own size) in {fmt!r}")
         request.cost(items=1, item_pixels=self.model_pixels(header.width, header.height),
-                     input_pixels=header.pixels + (style_header.pixels if style_header else 0),
+                     input_pixels=header.decode_pixels + (style_header.decode_pixels if style_header else 0),
                      output_pixels=header.pixels, base64_output=self.wants_json(p, request))
         rgb = request.image(max_side=self.cfg.max_side)
         style_rgb = request.image("style_image", max_side=512) if style_header is not None else None

@@ -122,7 +122,7 @@ class WebuiRoutes:
         answer = max(h.pixels for _, h in pictures) if own_size else width * height
         sent = gen["req"].send_images is not False
         request.cost(items=n, item_pixels=self.r.model_pixels(width, height),
-                     input_pixels=sum(h.pixels for _, h in pictures) + (mask[1].pixels if mask else 0),
+                     input_pixels=sum(h.decode_pixels for _, h in pictures) + (mask[1].decode_pixels if mask else 0),
                      output_pixels=n * answer, base64_output=True, output_bytes=None if sent else 4096)
 
     def _steps(self, gen: dict[str, Any], strength: float) -> int:

@@ -89,28 +89,27 @@ def _upscaler(name: str, field: str) -> str | None:
     return None if found == "None" else found
 
 
-def _header(request: onecard.Request, data: bytes, name: str, max_markers: int) -> tuple[int, int, str]:
-    """(width, height as oriented, format) from the header, without decoding a pixel: the
+def _header(request: onecard.Request, data: bytes, name: str, max_markers: int) -> Any:
+    """The header (size as oriented, format, what decoding costs), without decoding a pixel: the
     structure's size bounded (JPEG segments, PNG chunks before the pixels, which Pillow reads
     one by one to open the file), no pixel or scan limit (png-info decodes nothing; the
     extras check the pixels they will decode themselves)."""
     if data[:8] == b"\x89PNG\r\n\x1a\n" and not webui_infotext.png_chunks_within(data, max_markers):
         raise Error(413, "image_too_complex", f"{name}: more than {max_markers} PNG chunks before its pixels")
-    header = request.probe_image(data, name, for_decoding=False)
-    return header.width, header.height, header.format
+    return request.probe_image(data, name, for_decoding=False)
 
 
 class Upscale:
     """One picture's upscale, planned from its header: the factor, the sizes, the info."""
 
-    def __init__(self, req: _ExtrasBase, width: int, height: int, name: str):
+    def __init__(self, req: _ExtrasBase, width: int, height: int, name: str, decode_pixels: int | None = None):
         self.first = _upscaler(req.upscaler_1, "upscaler_1")
         self.second = _upscaler(req.upscaler_2, "upscaler_2") if req.extras_upscaler_2_visibility > 0 else None
         self.visibility = req.extras_upscaler_2_visibility
         self.info: dict[str, Any] = {}
         self.crop_to: tuple[int, int] | None = None
         self.size = (width, height)
-        self.input_pixels = width * height
+        self.input_pixels = width * height if decode_pixels is None else decode_pixels  # what decoding it holds
         if self.first is None:
             return
         if req.resize_mode == 1:
@@ -210,11 +209,12 @@ class ExtrasRoutes:
             data = picture_bytes(text, name, cfg.max_body_bytes)
             if not data:
                 raise Error(400, "empty_image", f"{name}: the picture is empty")
-            width, height, source_format = _header(request, data, name, cfg.max_image_markers)
+            header = _header(request, data, name, cfg.max_image_markers)
+            width, height, source_format = header.width, header.height, header.format
             if width * height > cfg.max_pixels:
                 raise Error(413, "too_many_pixels", f"{name}: {width}x{height} = {width * height} pixels is over "
                                                        f"the limit of {cfg.max_pixels}")
-            up = Upscale(req, width, height, name)
+            up = Upscale(req, width, height, name, header.decode_pixels)
             total += width * height + up.work_pixels
             if total > cfg.max_pixels:
                 raise Error(413, "too_many_pixels", f"{name}: the pictures and their upscales hold {total} pixels "

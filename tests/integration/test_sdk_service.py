@@ -121,6 +121,22 @@ def test_dry_run_checks_without_running(svc):
     assert len(svc.get("/record").json()["calls"]) == before
 
 
+def test_an_animated_webp_is_charged_what_its_decoder_holds(svc):
+    """libwebp composes an animation on full RGBA canvases (a 6324x6324 one of 16x16 frames in
+    250 kB held 423 MB to decode): its input pixels count four times those of a still picture."""
+    from tests import images as I
+    still = svc.post_image("/api/v1/tint", picture(96, 64, "webp"), params={"tag": "dry"},
+                           headers={"X-Onecard-Dry-Run": "1"})
+    moving = svc.post("/api/v1/tint", content=I.webp_animation((96, 64), frames=3), params={"tag": "dry"},
+                      headers={"content-type": "image/webp", "X-Onecard-Dry-Run": "1"})
+    assert still.status_code == moving.status_code == 200, (still.text, moving.text)
+    assert still.json()["cost"]["input_pixels"] == 96 * 64
+    assert moving.json()["cost"]["input_pixels"] == 4 * 96 * 64
+    real = svc.post("/api/v1/tint", content=I.webp_animation((96, 64), frames=3), params={"tag": "anim"},
+                    headers={"content-type": "image/webp"})
+    assert real.status_code == 200 and real.json()["tag"] == "anim"  # charged, and served
+
+
 def test_picture_answers_follow_accept(svc):
     r = svc.post_image("/api/v1/tint", picture(), params={"answer": "image"}, headers={"accept": "image/webp"})
     assert r.status_code == 200 and r.headers["content-type"] == "image/webp" and r.content[8:12] == b"WEBP"
