@@ -29,6 +29,8 @@ from services.runtime.codecs.encoder_limits import check_encodable
 from services.runtime.errors import ApiError
 
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP")
+# below this, Pillow's faster WebP encoder holds the GIL for a few ms at most (19 ms a megapixel)
+PILLOW_WEBP_MAX_PIXELS = 1 << 18
 # libwebp composes an animation's frames on a full RGBA canvas and keeps the previous one;
 # the first frame (what a service reads) costs those and the RGB copy: 3.5x the picture
 ANIMATED_WEBP_DECODE_FACTOR = 4
@@ -228,6 +230,15 @@ def encode_image(rgb: np.ndarray, fmt: str, quality: int | None = None) -> tuple
     if pil_fmt in ("PNG", "JPEG"):  # OpenCV's encoders release the GIL for the whole picture
         params = [cv2.IMWRITE_PNG_COMPRESSION, 1] if pil_fmt == "PNG" else [cv2.IMWRITE_JPEG_QUALITY, quality or 90]
         ok, out = cv2.imencode(".png" if pil_fmt == "PNG" else ".jpg", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR), params)
+        if not ok:
+            raise RuntimeError(f"cannot encode a {rgb.shape[1]}x{rgb.shape[0]} picture as {fmt}")
+        return out.tobytes(), mime
+    if rgb.shape[0] * rgb.shape[1] > PILLOW_WEBP_MAX_PIXELS:
+        # Pillow's WebP encoder holds the GIL for the whole picture (80 ms at 40 MP froze the
+        # event loop and the probes that long); OpenCV's releases it, at about 3x the CPU
+        # (it has no fastest-method setting), which the worker's lower priority absorbs
+        ok, out = cv2.imencode(".webp", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR),
+                               [cv2.IMWRITE_WEBP_QUALITY, min(100, max(1, quality or 85))])
         if not ok:
             raise RuntimeError(f"cannot encode a {rgb.shape[1]}x{rgb.shape[0]} picture as {fmt}")
         return out.tobytes(), mime
