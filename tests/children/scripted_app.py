@@ -42,6 +42,7 @@ class EchoParams(Params):
     items: Int = 1
     cancellable: Bool = False
     decode_sleep: Float = 0.0
+    stated: Bool = True   # False: the hook states no cost and reads only the header (the items' cost is charged)
 
 
 @dataclass(eq=False)
@@ -131,7 +132,8 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
     def decode(raw) -> Work:
         request = onecard.Request(raw, cfg, ("image",), EchoParams)  # the input forms, as every service reads them
         p = request.params()
-        request.image()
+        if p.stated:
+            request.image()
         header = request.image_header()
         if p.mode == "boom":
             raise KeyError("unexpected")

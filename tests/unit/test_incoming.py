@@ -65,3 +65,18 @@ def test_a_connection_that_comes_back_late_is_not_a_closed_loop_client():
         incoming.answered(req, "c", n * 10.0 + 0.01)
         incoming.arrived("c", n * 10.0 + 5.0)  # five seconds later: someone thinking, not a loop
     assert incoming.returning_share(200.0) == 0.0 and incoming.gap_s is None
+
+
+def test_a_decode_waiting_for_memory_is_not_expected_and_its_wait_is_not_decode_time():
+    """It cannot reach the queue before the requests holding the memory run: a policy that
+    waited for it would hold the queued ones back for nothing (6 requests, 10 s instead of 1.2)."""
+    inc = Incoming()
+    inc.decoding("a", 0.0)
+    inc.decoded("a", 0.010)   # a usual decode: 10 ms
+    inc.decoding("b", 1.0)
+    inc.decode_paused("b", 1.004)
+    assert inc.etas(1.005) == []
+    inc.decode_resumed("b", 3.0)
+    assert inc.etas(3.0) == [pytest.approx(0.006)]  # 4 ms done of a 10 ms decode
+    inc.decoded("b", 3.006)
+    assert inc.decode_s == pytest.approx(0.010)     # the 2 s of waiting are not decode time

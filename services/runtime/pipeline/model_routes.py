@@ -137,7 +137,10 @@ class ModelPipeline:
             if work is None:  # a dry run that the hook ended after its cost check
                 return self._respond(json_reply(self._dry_run_doc(raw, None)), timing, charge)
             if raw.cost.estimate is None:  # a hook that stated no cost: what its items say
-                await self.cpu.run(self._cost_of_items, raw, work)
+                try:
+                    await self.cpu.run(self._cost_of_items, raw, work)
+                except MemoryWait as wait:  # others hold the room: its turn comes (or a 503)
+                    await self._wait_turn(charge, wait, timing)
             if dry_run:
                 return self._respond(json_reply(self._dry_run_doc(raw, work)), timing, charge)
             try:  # a request that brought no item has nothing to run
@@ -194,7 +197,11 @@ class ModelPipeline:
                 try:
                     return await self.cpu.run(route.decode, raw)
                 except MemoryWait as wait:  # others hold the room: wait its turn, then decode again
-                    await self._wait_turn(raw.cost.charge, wait, timing)
+                    self.scheduler.decoding_waits(token, True)  # not coming before they run
+                    try:
+                        await self._wait_turn(raw.cost.charge, wait, timing)
+                    finally:
+                        self.scheduler.decoding_waits(token, False)
         except DryRunComplete:
             return None
         finally:

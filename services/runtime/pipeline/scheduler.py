@@ -96,6 +96,15 @@ class Scheduler:
         self.incoming.decoding(token, time.perf_counter())
         self._wake.set()  # a batch being gathered may now want to wait for it
 
+    def decoding_waits(self, token: object, waiting: bool) -> None:
+        """A decoding request waits for memory (True) or has it and decodes again (False)."""
+        now = time.perf_counter()
+        if waiting:
+            self.incoming.decode_paused(token, now)
+        else:
+            self.incoming.decode_resumed(token, now)
+        self._wake.set()
+
     def decoding_done(self, token: object) -> None:
         self.incoming.decoded(token, time.perf_counter())
         self._wake.set()
