@@ -89,7 +89,7 @@ def _upscaler(name: str, field: str) -> str | None:
     return None if found == "None" else found
 
 
-def _header(request: onecard.Request, data: bytes, name: str, max_markers: int) -> Any:
+def _header(request: onecard.Request, data: bytes, name: str, max_markers: int) -> onecard.ImageHeader:
     """The header (size as oriented, format, what decoding costs), without decoding a pixel: the
     structure's size bounded (JPEG segments, PNG chunks before the pixels, which Pillow reads
     one by one to open the file), no pixel or scan limit (png-info decodes nothing; the
@@ -102,14 +102,14 @@ def _header(request: onecard.Request, data: bytes, name: str, max_markers: int) 
 class Upscale:
     """One picture's upscale, planned from its header: the factor, the sizes, the info."""
 
-    def __init__(self, req: _ExtrasBase, width: int, height: int, name: str, decode_pixels: int | None = None):
+    def __init__(self, req: _ExtrasBase, width: int, height: int, name: str, decode_pixels: int):
         self.first = _upscaler(req.upscaler_1, "upscaler_1")
         self.second = _upscaler(req.upscaler_2, "upscaler_2") if req.extras_upscaler_2_visibility > 0 else None
         self.visibility = req.extras_upscaler_2_visibility
         self.info: dict[str, Any] = {}
         self.crop_to: tuple[int, int] | None = None
         self.size = (width, height)
-        self.input_pixels = width * height if decode_pixels is None else decode_pixels  # what decoding it holds
+        self.input_pixels = decode_pixels  # what decoding it holds
         if self.first is None:
             return
         if req.resize_mode == 1:

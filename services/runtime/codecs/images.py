@@ -227,21 +227,18 @@ def encode_image(rgb: np.ndarray, fmt: str, quality: int | None = None) -> tuple
     fastest method; JPEG quality 90 unless asked."""
     pil_fmt, mime = OUTPUT_FORMATS[fmt]
     check_encodable(rgb.shape[1], rgb.shape[0], fmt)
-    if pil_fmt in ("PNG", "JPEG"):  # OpenCV's encoders release the GIL for the whole picture
-        params = [cv2.IMWRITE_PNG_COMPRESSION, 1] if pil_fmt == "PNG" else [cv2.IMWRITE_JPEG_QUALITY, quality or 90]
-        ok, out = cv2.imencode(".png" if pil_fmt == "PNG" else ".jpg", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR), params)
-        if not ok:
-            raise RuntimeError(f"cannot encode a {rgb.shape[1]}x{rgb.shape[0]} picture as {fmt}")
-        return out.tobytes(), mime
-    if rgb.shape[0] * rgb.shape[1] > PILLOW_WEBP_MAX_PIXELS:
-        # Pillow's WebP encoder holds the GIL for the whole picture (80 ms at 40 MP froze the
-        # event loop and the probes that long); OpenCV's releases it, at about 3x the CPU
-        # (it has no fastest-method setting), which the worker's lower priority absorbs
-        ok, out = cv2.imencode(".webp", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR),
-                               [cv2.IMWRITE_WEBP_QUALITY, min(100, max(1, quality or 85))])
-        if not ok:
-            raise RuntimeError(f"cannot encode a {rgb.shape[1]}x{rgb.shape[0]} picture as {fmt}")
-        return out.tobytes(), mime
-    buf = io.BytesIO()
-    Image.fromarray(rgb).save(buf, format=pil_fmt, quality=quality or 85, method=0)
-    return buf.getvalue(), mime
+    if pil_fmt == "WEBP" and rgb.shape[0] * rgb.shape[1] <= PILLOW_WEBP_MAX_PIXELS:
+        buf = io.BytesIO()
+        Image.fromarray(rgb).save(buf, format=pil_fmt, quality=quality or 85, method=0)
+        return buf.getvalue(), mime
+    # OpenCV's encoders release the GIL for the whole picture. Pillow's WebP encoder holds it
+    # (80 ms at 40 MP froze the event loop and the probes that long), so bigger WebP answers
+    # go here too, at about 3x Pillow's CPU (OpenCV has no fastest-method setting), which the
+    # worker's lower priority absorbs
+    ext, params = {"PNG": (".png", [cv2.IMWRITE_PNG_COMPRESSION, 1]),
+                   "JPEG": (".jpg", [cv2.IMWRITE_JPEG_QUALITY, quality or 90]),
+                   "WEBP": (".webp", [cv2.IMWRITE_WEBP_QUALITY, min(100, max(1, quality or 85))])}[pil_fmt]
+    ok, out = cv2.imencode(ext, cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR), params)
+    if not ok:
+        raise RuntimeError(f"cannot encode a {rgb.shape[1]}x{rgb.shape[0]} picture as {fmt}")
+    return out.tobytes(), mime
