@@ -135,8 +135,15 @@ def test_encoding_a_big_picture_lets_other_threads_run(fmt):
     # a photo, so the answer is megabytes (copying a noise picture's 70 MB answer out of the
     # encoder holds the GIL too, but that is the copy's, not the encoder's)
     rgb = cv2.resize(data.astronaut(), (6000, 4000), interpolation=cv2.INTER_LINEAR)
-    noise, _ = _longest_wait_of_a_ticker(lambda: time.sleep(0.3))
     out: list[bytes] = []
-    gap, took = _longest_wait_of_a_ticker(lambda: out.append(encode_image(rgb, fmt)[0]))
+    tries = []
+    for _ in range(3):  # a burst of load on a shared machine may spoil one try; a holding encoder spoils all
+        noise, _ = _longest_wait_of_a_ticker(lambda: time.sleep(0.3))
+        gap, took = _longest_wait_of_a_ticker(lambda: out.append(encode_image(rgb, fmt)[0]))
+        tries.append((gap, noise, took))
+        if gap < noise + 0.025:
+            break
     assert len(out[0]) > 1000
-    assert gap < noise + 0.025, f"{fmt}: another thread waited {gap * 1000:.0f} ms of a {took * 1000:.0f} ms encode"
+    gap, noise, took = tries[-1]
+    assert gap < noise + 0.025, [f"{fmt}: another thread waited {g * 1000:.0f} ms of a {t * 1000:.0f} ms encode "
+                                 f"(beside a sleep: {n * 1000:.0f} ms)" for g, n, t in tries]
