@@ -31,9 +31,10 @@ from services.runtime.errors import ApiError
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP")
 # below this, Pillow's faster WebP encoder holds the GIL for a few ms at most (19 ms a megapixel)
 PILLOW_WEBP_MAX_PIXELS = 1 << 18
-# libwebp composes an animation's frames on a full RGBA canvas and keeps the previous one;
-# the first frame (what a service reads) costs those and the RGB copy: 3.5x the picture
-ANIMATED_WEBP_DECODE_FACTOR = 4
+# OpenCV decodes an animation by composing its first frame on a full RGBA canvas, beside
+# the previous one: with the RGB copy, what decoding holds at its peak, measured against the
+# picture's RGB size (3 bytes a pixel): WebP 11 bytes a pixel, APNG up to 15 (RGBA frames)
+ANIMATED_DECODE_FACTOR = {"WEBP": 4, "PNG": 5}
 OUTPUT_FORMATS = {"png": ("PNG", "image/png"), "jpeg": ("JPEG", "image/jpeg"), "webp": ("WEBP", "image/webp")}
 MIME_TO_FORMAT = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg", "image/webp": "webp"}
 # our own pixel check runs first; PIL's must not raise a different error for the same thing
@@ -72,9 +73,9 @@ class ImageHeader:
     @property
     def decode_pixels(self) -> int:
         """What decoding it holds at its peak, in RGB pixels (the unit of the cost model's
-        input pixels): the picture itself, or for an animated WebP the decoder's two RGBA
-        canvases besides (measured: 10.6 bytes a pixel for a 6324x6324 canvas)."""
-        return self.pixels * (ANIMATED_WEBP_DECODE_FACTOR if self.animated else 1)
+        input pixels): the picture itself, or for an animation (WebP, APNG) the decoder's
+        RGBA canvases besides."""
+        return self.pixels * (ANIMATED_DECODE_FACTOR.get(self.format, 1) if self.animated else 1)
 
 
 @dataclass
@@ -119,13 +120,21 @@ def probe_image(data: bytes, limits: DecodeLimits) -> ImageHeader:
                            f"{width}x{height} = {width * height} pixels is over the limit of {limits.max_pixels}")
         orientation = _orientation(im, png)
         fmt = im.format or ""
-        # (an APNG is decoded as its default image alone: no canvas to compose)
-        animated = fmt == "WEBP" and bool(getattr(im, "is_animated", False))
+        animated = _animated(data, fmt, png)
     if orientation not in range(1, 9):
         orientation = 1
     if orientation in (5, 6, 7, 8):
         width, height = height, width
     return ImageHeader(fmt, width, height, orientation, animated)
+
+
+def _animated(data: bytes, fmt: str, png: formats.PngShape | None) -> bool:
+    """Marked as an animation, however many frames it has: a one-frame animation is composed
+    on its full canvas all the same (a 94-byte WebP of 6324x6324 held 419 MiB to decode).
+    WebP: the VP8X header's animation flag; PNG: an acTL chunk."""
+    if fmt == "WEBP":
+        return data[12:16] == b"VP8X" and len(data) > 20 and bool(data[20] & 0x02)
+    return fmt == "PNG" and png is not None and png.animated
 
 
 def _orientation(im: Image.Image, png: formats.PngShape | None) -> int:
@@ -228,8 +237,8 @@ def encode_image(rgb: np.ndarray, fmt: str, quality: int | None = None) -> tuple
     pil_fmt, mime = OUTPUT_FORMATS[fmt]
     check_encodable(rgb.shape[1], rgb.shape[0], fmt)
     if pil_fmt == "WEBP" and rgb.shape[0] * rgb.shape[1] <= PILLOW_WEBP_MAX_PIXELS:
-        buf = io.BytesIO()
-        Image.fromarray(rgb).save(buf, format=pil_fmt, quality=quality or 85, method=0)
+        buf = io.BytesIO()  # (quality within 1..100 as OpenCV's is below: not an error at one size only)
+        Image.fromarray(rgb).save(buf, format=pil_fmt, quality=min(100, max(1, quality or 85)), method=0)
         return buf.getvalue(), mime
     # OpenCV's encoders release the GIL for the whole picture. Pillow's WebP encoder holds it
     # (80 ms at 40 MP froze the event loop and the probes that long), so bigger WebP answers

@@ -26,10 +26,11 @@ class FormatLimitError(Exception):
 class PngShape:
     chunks: int
     exif: bytes | None        # the eXIf chunk's content (a TIFF structure), if there is one
+    animated: bool = False    # an acTL chunk: OpenCV composes the frames on a full canvas
 
 
 def walk_png(data: bytes, max_chunks: int) -> PngShape:
-    """Count chunks and find the eXIf chunk; raise FormatLimitError when ancillary chunks or
+    """Count chunks, find the eXIf chunk and an APNG's acTL; raise FormatLimitError when ancillary chunks or
     tiny image-data chunks pass `max_chunks`. A malformed structure ends the walk: the
     decoder reports it. (Pillow's own getexif() on a PNG whose eXIf chunk is not before the
     image data decodes the whole picture to look for one.)"""
@@ -38,6 +39,7 @@ def walk_png(data: bytes, max_chunks: int) -> PngShape:
     pos, n = len(PNG_SIGNATURE), len(data)
     ancillary = tiny = chunks = 0
     exif = None
+    animated = False
     while pos + 8 <= n:
         length, kind = struct.unpack_from(">I4s", data, pos)
         chunks += 1
@@ -54,8 +56,9 @@ def walk_png(data: bytes, max_chunks: int) -> PngShape:
                 raise FormatLimitError("PNG chunks", ancillary, max_chunks)
             if kind == b"eXIf" and exif is None:
                 exif = data[pos + 8:pos + 8 + length]
+            animated = animated or kind == b"acTL"
         pos += 12 + length
-    return PngShape(chunks, exif)
+    return PngShape(chunks, exif, animated)
 
 
 def bmp_compression(data: bytes) -> str | None:
