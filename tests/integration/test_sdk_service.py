@@ -121,20 +121,31 @@ def test_dry_run_checks_without_running(svc):
     assert len(svc.get("/record").json()["calls"]) == before
 
 
-def test_an_animated_webp_is_charged_what_its_decoder_holds(svc):
-    """libwebp composes an animation on full RGBA canvases (a 6324x6324 one of 16x16 frames in
-    250 kB held 423 MB to decode): its input pixels count four times those of a still picture."""
+def test_an_animation_is_charged_what_its_decoder_holds(svc):
+    """OpenCV composes an animation's first frame on full RGBA canvases (a 6324x6324 WebP of
+    16x16 frames in 250 kB held 423 MB to decode; an RGBA APNG 15 bytes a pixel): its input
+    pixels count four times those of a still picture (WebP), five times (APNG), however many
+    frames it has (a one-frame WebP animation of 94 bytes held 419 MiB)."""
+    import io
+
+    from PIL import Image
+
     from tests import images as I
-    still = svc.post_image("/api/v1/tint", picture(96, 64, "webp"), params={"tag": "dry"},
-                           headers={"X-Onecard-Dry-Run": "1"})
-    moving = svc.post("/api/v1/tint", content=I.webp_animation((96, 64), frames=3), params={"tag": "dry"},
-                      headers={"content-type": "image/webp", "X-Onecard-Dry-Run": "1"})
-    assert still.status_code == moving.status_code == 200, (still.text, moving.text)
-    assert still.json()["cost"]["input_pixels"] == 96 * 64
-    assert moving.json()["cost"]["input_pixels"] == 4 * 96 * 64
-    real = svc.post("/api/v1/tint", content=I.webp_animation((96, 64), frames=3), params={"tag": "anim"},
-                    headers={"content-type": "image/webp"})
-    assert real.status_code == 200 and real.json()["tag"] == "anim"  # charged, and served
+    frames = [Image.new("RGBA", (96, 64), (i * 40, 0, 0, 255)) for i in range(3)]
+    apng = io.BytesIO()
+    frames[0].save(apng, "PNG", save_all=True, append_images=frames[1:])
+    cases = {"still webp": (picture(96, 64, "webp"), "image/webp", 1),
+             "still png": (picture(96, 64, "png"), "image/png", 1),
+             "webp, 3 frames": (I.webp_animation((96, 64), frames=3), "image/webp", 4),
+             "webp, 1 frame": (I.webp_animation((96, 64), frames=1), "image/webp", 4),
+             "apng, 3 frames": (apng.getvalue(), "image/png", 5)}
+    for what, (data, ctype, factor) in cases.items():
+        dry = svc.post("/api/v1/tint", content=data, params={"tag": "dry"},
+                       headers={"content-type": ctype, "X-Onecard-Dry-Run": "1"})
+        assert dry.status_code == 200, (what, dry.text)
+        assert dry.json()["cost"]["input_pixels"] == factor * 96 * 64, what
+        real = svc.post("/api/v1/tint", content=data, params={"tag": "anim"}, headers={"content-type": ctype})
+        assert real.status_code == 200 and real.json()["tag"] == "anim", (what, real.text)  # charged, and served
 
 
 def test_picture_answers_follow_accept(svc):
@@ -164,6 +175,9 @@ def test_probes_metrics_and_info(svc):
     assert probe(svc.probe_socket, "/readyz")[0] == 200
     info = svc.get("/info").json()
     assert info["model_label"] == "svc/tint/tint-1" and info["batching"] is True and info["device"] == "cpu"
+    # its own requests: xdist may run this test on a worker (and a service) where no other ran
+    assert svc.post_image("/api/v1/tint", picture(), params={"tag": "m"}).status_code == 200
+    assert svc.post("/api/v1/words", json={"text": "a b"}).status_code == 200
     metrics = svc.get("/metrics").text
     assert 'onecard_requests_total{route="/api/v1/tint",status="200"}' in metrics
     assert "onecard_batch_size_count" in metrics and 'onecard_stage_seconds_count{route="/api/v1/words"' in metrics
