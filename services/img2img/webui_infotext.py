@@ -11,7 +11,6 @@ colon, which a client controls here.
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 import re
@@ -232,12 +231,37 @@ def open_metadata(data: bytes, formats: tuple[str, ...]) -> Image.Image:
     return Image.open(io.BytesIO(data), formats=formats)
 
 
+def webp_with_exif(webp: bytes, exif: bytes) -> bytes:
+    """A simple (VP8 or VP8L) WebP with an EXIF chunk added: a VP8X header announcing it, as
+    Pillow and libwebp's muxer write one. An extended WebP already is returned as it is."""
+    kind = webp[12:16]
+    if webp[:4] != b"RIFF" or webp[8:12] != b"WEBP" or kind not in (b"VP8 ", b"VP8L"):
+        return webp
+    with Image.open(io.BytesIO(webp)) as im:
+        width, height = im.size
+    if exif.startswith(b"Exif\x00\x00"):
+        exif = exif[6:]
+
+    def chunk(name: bytes, data: bytes) -> bytes:
+        return name + struct.pack("<I", len(data)) + data + (b"\x00" if len(data) & 1 else b"")
+    vp8x = bytes([0x08, 0, 0, 0]) + struct.pack("<I", width - 1)[:3] + struct.pack("<I", height - 1)[:3]
+    body = b"WEBP" + chunk(b"VP8X", vp8x) + webp[12:] + chunk(b"EXIF", exif)
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
 def encode_picture(img: Image.Image, fmt: str, quality: int, text: str | None) -> str:
     """Base64 of the picture as the webui sends it, with the infotext: a PNG's `parameters`
-    text, a JPEG's or WebP's EXIF UserComment."""
+    text, a JPEG's or WebP's EXIF UserComment. WebP goes through the runtime's encoder (big
+    pictures there do not hold the GIL, Pillow's WebP encoder does) with the EXIF added."""
+    import numpy as np
+
+    import onecard
     buf = io.BytesIO()
     if text is not None:
         text = text.encode("utf-8", "replace").decode()  # whatever a caller put there, a text chunk holds it
+    if fmt == "webp":
+        data, _ = onecard.encode_image(np.asarray(img.convert("RGB")), "webp", quality)
+        return str(onecard.encode_base64(webp_with_exif(data, exif_with_infotext(text)) if text else data))
     if fmt == "png":
         from PIL.PngImagePlugin import PngInfo
         info = None
@@ -247,5 +271,5 @@ def encode_picture(img: Image.Image, fmt: str, quality: int, text: str | None) -
         img.save(buf, "PNG", compress_level=1, pnginfo=info)
     else:
         extra = {"exif": exif_with_infotext(text)} if text else {}
-        img.save(buf, "JPEG" if fmt == "jpeg" else "WEBP", quality=quality, **extra)
-    return base64.b64encode(buf.getvalue()).decode()
+        img.save(buf, "JPEG", quality=quality, **extra)
+    return str(onecard.encode_base64(buf.getvalue()))

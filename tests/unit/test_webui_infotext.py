@@ -80,3 +80,23 @@ def test_exif_carries_the_infotext(fmt):
     Image.new("RGB", (8, 8)).save(buf, "JPEG", exif=it.exif_with_infotext(long))
     info, _ = it.read_info(Image.open(io.BytesIO(buf.getvalue())), 200_000)
     assert 25_000 < len(info) < len(long) and set(info) == {"x"}
+
+
+@pytest.mark.parametrize("size", [(64, 48), (801, 600)])  # Pillow's encoder below 0.26 MP, OpenCV's above
+def test_a_webp_answer_carries_the_infotext_from_either_encoder(size):
+    import base64
+
+    import numpy as np
+    text = "ünïcode prompt\nSteps: 2, Seed: 5, Size: 8x8"
+    rgb = np.random.default_rng(1).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+    sent = base64.b64decode(it.encode_picture(Image.fromarray(rgb), "webp", 80, text))
+    with Image.open(io.BytesIO(sent)) as im:
+        im.load()
+        assert (im.format, im.size) == ("WEBP", size)
+        info, items = it.read_info(im, 10_000)
+        assert info == text and "exif" not in items
+        assert np.abs(np.asarray(im.convert("RGB")).astype(int) - rgb).mean() < 60  # the pixels, lossy
+    lossless = io.BytesIO()
+    Image.fromarray(rgb).save(lossless, "WEBP", lossless=True)  # a VP8L stream takes the EXIF the same way
+    with Image.open(io.BytesIO(it.webp_with_exif(lossless.getvalue(), it.exif_with_infotext(text)))) as im:
+        assert it.read_info(im, 10_000)[0] == text and np.array_equal(np.asarray(im.convert("RGB")), rgb)
