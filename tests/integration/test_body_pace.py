@@ -113,6 +113,32 @@ def test_a_body_slower_than_the_minimum_rate_is_cut_after_the_grace(svc):
                       headers={"content-type": "image/png"}).status_code == 200
 
 
+def test_a_client_still_sending_after_its_cut_reads_the_408_not_a_reset(svc):
+    """The cut connection lingers briefly: a client that sends a few more pieces before it
+    looks for an answer (as any uploader does) still finds the 408 in its queue. Closed at
+    once, the server's kernel answered those pieces with a reset, which destroyed the 408."""
+    with socket.create_connection(("127.0.0.1", svc.port)) as s:
+        s.sendall(upload_head("after-cut"))
+        t0 = time.monotonic()
+        while True:  # 4 kB/s, looking (without reading) for the answer
+            assert time.monotonic() - t0 < 15, "a body at 4 kB/s still held its connection after 15 s"
+            s.sendall(b"\0" * 1024)
+            time.sleep(0.25)
+            s.setblocking(False)
+            try:
+                if s.recv(1, socket.MSG_PEEK):
+                    break
+            except BlockingIOError:
+                pass
+            finally:
+                s.setblocking(True)
+        for _ in range(3):  # more body into the cut connection before the client reads
+            time.sleep(0.2)
+            s.sendall(b"\0" * 1024)
+        got = read_all(s, 5)
+    assert got.startswith(b"HTTP/1.1 408") and b"body_too_slow" in got, got[:300]
+
+
 def test_a_body_at_a_steady_pace_past_the_grace_is_served(svc):
     picture = I.noisy_png(450, 450, 1.0)  # about 600 kB: 3 s at 200 kB/s
     with socket.create_connection(("127.0.0.1", svc.port)) as s:

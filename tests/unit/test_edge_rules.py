@@ -312,6 +312,48 @@ def test_a_lingering_socket_drops_what_arrives_and_the_oldest_makes_room_for_a_n
     asyncio.run(scenario())
 
 
+def test_a_connection_the_edge_cut_lingers_only_briefly():
+    """A client the edge cut (a body too slow) and still sending gets its answer instead of a
+    reset, so its socket lingers too; but only for CUT_TOTAL_S however much it sends, where a
+    refused request's socket lingers on while its client keeps sending."""
+    import asyncio
+    import socket
+    import time
+
+    from services.runtime.edge import lingering_close
+    from services.runtime.edge.lingering_close import LingeringClose
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        lingering = LingeringClose(limit=4, idle_s=30, total_s=60)
+        cut, kept = socket.socketpair(), socket.socketpair()
+        try:
+            for _ours, theirs in (cut, kept):
+                theirs.sendall(b"x" * 1000)
+                await asyncio.sleep(0.01)
+            assert lingering.adopt(loop, cut[0], body_unfinished=True, cut=True)
+            assert lingering.adopt(loop, kept[0], body_unfinished=True)
+            cut[0].close()
+            kept[0].close()
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < lingering_close.CUT_TOTAL_S + 1.5:  # both clients keep sending
+                for _, theirs in (cut, kept):
+                    try:
+                        theirs.send(b"y" * 100)
+                    except OSError:
+                        pass
+                await asyncio.sleep(0.2)
+            assert lingering.count == 1  # the cut one is closed; the other still drains
+            cut[1].settimeout(2)
+            assert cut[1].recv(10) == b""  # closed
+        finally:
+            for ours, theirs in (cut, kept):
+                ours.close()
+                theirs.close()
+
+    asyncio.run(scenario())
+
+
 def test_the_depth_scan_is_linear_in_a_string_left_open():
     """256 KiB of \\" pairs in a string never closed, then enough commas to be refused: a
     pattern retried from every quote takes minutes here (9 s for 64 KB froze a service's

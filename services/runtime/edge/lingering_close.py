@@ -13,7 +13,9 @@ Reads go into one reused buffer: nothing is kept. At most ``limit`` sockets ling
 one takes the place of the one lingering longest (it has had the most time to read its
 answer), so clients that keep sending after their answer cannot make a newcomer's answer a
 reset. A connection the edge itself cut (a deadline, a body too slow, a limit of the
-protocol) does not linger: that client gets no more of the service's time.
+protocol) lingers briefly (``CUT_TOTAL_S``): long enough for a client still sending to read
+why it was cut (a 4 kB/s upload's 408 was sometimes a reset), no longer, as that client gets
+little more of the service's time.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from common.socket_queues import unread_bytes
 IDLE_S = 5.0          # silence after which the client is taken to be gone (nginx: lingering_timeout)
 TOTAL_S = 30.0        # the longest a socket lingers (nginx: lingering_time)
 READ_BYTES = 1024 * 1024  # a big read per wake-up: few loop turns for a 30 MB tail
+CUT_IDLE_S = 1.0      # the same, after the edge cut the connection
+CUT_TOTAL_S = 2.0
 
 
 class LingeringClose:
@@ -42,11 +46,12 @@ class LingeringClose:
     def count(self) -> int:
         return len(self._kept)
 
-    def adopt(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, body_unfinished: bool = False) -> bool:
-        """Called from ``connection_lost`` of a connection closed normally: True when the
-        socket lingers now (the caller does nothing more with it): it had unread bytes, or
+    def adopt(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, body_unfinished: bool = False,
+              cut: bool = False) -> bool:
+        """Called from ``connection_lost`` of a connection closed without a reset: True when
+        the socket lingers now (the caller does nothing more with it): it had unread bytes, or
         its request's body was still to come (on a busy machine the answer can be out before
-        the client's first body bytes are)."""
+        the client's first body bytes are). ``cut``: the edge cut it, it lingers briefly."""
         try:
             fd = sock.fileno()
         except (OSError, ValueError):
@@ -64,6 +69,8 @@ class LingeringClose:
             return False
         state = {"last": loop.time(), "timer": None}
         started = loop.time()
+        idle_s, total_s = (min(self.idle_s, CUT_IDLE_S), min(self.total_s, CUT_TOTAL_S)) if cut else \
+            (self.idle_s, self.total_s)
         view = memoryview(self._buffer)
 
         def done() -> None:
@@ -90,12 +97,12 @@ class LingeringClose:
 
         def check() -> None:
             now = loop.time()
-            if now - state["last"] >= self.idle_s or now - started >= self.total_s:
+            if now - state["last"] >= idle_s or now - started >= total_s:
                 done()
                 return
-            state["timer"] = loop.call_later(min(1.0, self.idle_s / 2), check)
+            state["timer"] = loop.call_later(min(1.0, idle_s / 2), check)
 
         self._kept[kept] = done
         loop.add_reader(kept.fileno(), readable)
-        state["timer"] = loop.call_later(min(1.0, self.idle_s / 2), check)
+        state["timer"] = loop.call_later(min(1.0, idle_s / 2), check)
         return True

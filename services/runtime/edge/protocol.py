@@ -76,7 +76,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._pending_error: tuple[int, str, str] | None = None
             self._broken = False       # no more parsing on this connection
             self._was_reset = False
-            self._cut = False          # cut by the edge (a deadline, a limit): no lingering close
+            self._cut = False          # cut by the edge (a deadline, a limit): a brief lingering close
             self._send_watch: SendWatch | None = None
             self._body_rate: BodyRate | None = None
             self._chunks = 0           # chunk headers of this request's body
@@ -130,9 +130,9 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             if exc is None and not self._was_reset:
                 sock = self.transport.get_extra_info("socket")
                 # a body still arriving is read and dropped after the answer (its reset would
-                # destroy the answer); else the answer's unsent tail is watched
-                # (not after the edge cut it: a client too slow or over a limit gets no more time)
-                if sock is not None and (self._cut or not lingering.adopt(self.loop, sock, self._phase == BODY)):
+                # destroy the answer; briefly after the edge cut it); else the answer's unsent
+                # tail is watched
+                if sock is not None and not lingering.adopt(self.loop, sock, self._phase == BODY, cut=self._cut):
                     linger.adopt(self.loop, sock)
             super().connection_lost(exc)
 
