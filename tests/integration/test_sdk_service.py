@@ -56,8 +56,14 @@ def test_the_three_input_forms_and_strict_parameters(svc):
 
 def test_items_of_several_requests_share_a_call_in_arrival_order(svc):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        first = pool.submit(tint, svc, "fifo-0", 0.6)
-        time.sleep(0.3)  # the first call runs; the next ones queue behind it, in this order
+        first = pool.submit(tint, svc, "fifo-0", 1.5)  # long enough for the three to arrive on a loaded machine
+        # the next ones are sent once the first call runs (the model records a call as it
+        # starts), so they queue behind it, in this order; a fixed 0.3 s was once too short
+        # on a loaded machine and the first two shared a call
+        deadline = time.monotonic() + 30
+        while not calls_of(svc, "fifo-0"):
+            assert time.monotonic() < deadline and not first.done(), "the first call never started"
+            time.sleep(0.01)
         rest = []
         for n in range(1, 4):
             rest.append(pool.submit(tint, svc, f"fifo-{n}"))
