@@ -21,9 +21,7 @@ is a 422.
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 from typing import Any
 
 from PIL import Image
@@ -292,12 +290,9 @@ def _encode_extras(img: Image.Image, fmt: str, quality: int, parameters: str | N
     """As the webui saves an extras result: the source's infotext kept, the postprocessing added."""
     if fmt != "png":
         return webui_infotext.encode_picture(img, fmt, quality, parameters)
-    from PIL.PngImagePlugin import PngInfo
-    info = PngInfo()
-    for key, value in (("parameters", parameters), ("postprocessing", postprocessing)):
-        if value:
-            info.add_text(key, value.encode("utf-8", "replace").decode())
-    buf = io.BytesIO()
-    img.save(buf, "PNG", compress_level=1, pnginfo=info)
-    return base64.b64encode(buf.getvalue()).decode()
+    import numpy as np
+    texts = {key: value.encode("utf-8", "replace").decode()
+             for key, value in (("parameters", parameters), ("postprocessing", postprocessing)) if value}
+    data, _ = onecard.encode_image(np.asarray(img.convert("RGB")), "png")
+    return str(onecard.encode_base64(webui_infotext.png_with_text(data, texts)))
 

@@ -15,6 +15,7 @@ import io
 import json
 import re
 import struct
+import zlib
 from typing import Any
 
 from PIL import Image
@@ -249,27 +250,40 @@ def webp_with_exif(webp: bytes, exif: bytes) -> bytes:
     return b"RIFF" + struct.pack("<I", len(body)) + body
 
 
+def png_with_text(png: bytes, texts: dict[str, str]) -> bytes:
+    """A PNG with text chunks added after its header, as Pillow's PngInfo.add_text writes
+    them: tEXt when the text is Latin-1, else an uncompressed iTXt in UTF-8."""
+    if png[:8] != b"\x89PNG\r\n\x1a\n" or png[12:16] != b"IHDR":
+        return png
+    chunks = []
+    for key, text in texts.items():
+        try:
+            name, data = b"tEXt", key.encode("latin-1") + b"\x00" + text.encode("latin-1")
+        except UnicodeEncodeError:
+            name, data = b"iTXt", key.encode("latin-1") + b"\x00\x00\x00\x00\x00" + text.encode("utf-8")
+        chunks.append(struct.pack(">I", len(data)) + name + data + struct.pack(">I", zlib.crc32(name + data)))
+    end_of_header = 8 + 12 + struct.unpack(">I", png[8:12])[0]
+    return b"".join([png[:end_of_header], *chunks, png[end_of_header:]])
+
+
 def encode_picture(img: Image.Image, fmt: str, quality: int, text: str | None) -> str:
     """Base64 of the picture as the webui sends it, with the infotext: a PNG's `parameters`
-    text, a JPEG's or WebP's EXIF UserComment. WebP goes through the runtime's encoder (big
-    pictures there do not hold the GIL, Pillow's WebP encoder does) with the EXIF added."""
+    text, a JPEG's or WebP's EXIF UserComment. PNG and WebP go through the runtime's encoder
+    (faster for PNG; big WebP pictures there do not hold the GIL, Pillow's encoder does) with
+    the text or the EXIF added."""
     import numpy as np
 
     import onecard
-    buf = io.BytesIO()
     if text is not None:
         text = text.encode("utf-8", "replace").decode()  # whatever a caller put there, a text chunk holds it
     if fmt == "webp":
         data, _ = onecard.encode_image(np.asarray(img.convert("RGB")), "webp", quality)
         return str(onecard.encode_base64(webp_with_exif(data, exif_with_infotext(text)) if text else data))
-    if fmt == "png":
-        from PIL.PngImagePlugin import PngInfo
-        info = None
-        if text:
-            info = PngInfo()
-            info.add_text("parameters", text)
-        img.save(buf, "PNG", compress_level=1, pnginfo=info)
+    if fmt == "png":  # the runtime's encoder: 2x faster than Pillow's adaptive filtering
+        data, _ = onecard.encode_image(np.asarray(img.convert("RGB")), "png")
+        return str(onecard.encode_base64(png_with_text(data, {"parameters": text}) if text else data))
     else:
+        buf = io.BytesIO()
         extra = {"exif": exif_with_infotext(text)} if text else {}
         img.save(buf, "JPEG", quality=quality, **extra)
     return str(onecard.encode_base64(buf.getvalue()))

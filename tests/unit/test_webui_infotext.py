@@ -100,3 +100,24 @@ def test_a_webp_answer_carries_the_infotext_from_either_encoder(size):
     Image.fromarray(rgb).save(lossless, "WEBP", lossless=True)  # a VP8L stream takes the EXIF the same way
     with Image.open(io.BytesIO(it.webp_with_exif(lossless.getvalue(), it.exif_with_infotext(text)))) as im:
         assert it.read_info(im, 10_000)[0] == text and np.array_equal(np.asarray(im.convert("RGB")), rgb)
+
+
+@pytest.mark.parametrize("text", ["plain prompt\nSteps: 2, Seed: 5, Size: 8x8", "ünïcode 猫 prompt\nSteps: 2"])
+def test_a_png_answer_carries_its_texts_as_pillow_writes_them(text):
+    import base64
+    import zlib
+
+    import numpy as np
+    rgb = np.random.default_rng(2).integers(0, 255, (48, 64, 3), dtype=np.uint8)
+    sent = base64.b64decode(it.encode_picture(Image.fromarray(rgb), "png", 80, text))
+    with Image.open(io.BytesIO(sent)) as im:
+        im.load()  # every chunk's CRC checked on the way
+        assert im.format == "PNG" and im.info["parameters"] == text and np.array_equal(np.asarray(im), rgb)
+    kind = b"tEXt" if text.isascii() else b"iTXt"  # Latin-1 as tEXt, the rest as iTXt, as PngInfo.add_text
+    at = sent.index(kind)
+    assert sent[at - 4 - 25:at - 4][4:8] == b"IHDR"  # right after the header
+    data = sent[at + 4:at + 4 + int.from_bytes(sent[at - 4:at], "big")]
+    assert zlib.crc32(kind + data).to_bytes(4, "big") == sent[at + 4 + len(data):at + 8 + len(data)]
+    two = it.png_with_text(it.png_with_text(sent, {}), {"a": "1", "b": "ß"})
+    with Image.open(io.BytesIO(two)) as im:
+        assert (im.info["a"], im.info["b"], im.info["parameters"]) == ("1", "ß", text)

@@ -231,9 +231,17 @@ def choose_format(asked: str | None, accept: str, default: str = "png") -> str:
     return default
 
 
+# zlib's run-length strategy with the "up" filter on every row: 2.2x faster than level 1's
+# defaults (512x512 photo 6.2 against 13.6 ms; noise 4.4 against 18.4) and the files come out
+# smaller or the same (photo 443 against 464 kB, text 18 against 22 kB, gradient 2 against 5).
+# Adaptive per-row filtering is what cost the time
+PNG_PARAMS = [cv2.IMWRITE_PNG_COMPRESSION, 1, cv2.IMWRITE_PNG_STRATEGY, cv2.IMWRITE_PNG_STRATEGY_RLE,
+              cv2.IMWRITE_PNG_FILTER, cv2.IMWRITE_PNG_FILTER_UP]
+
+
 def encode_image(rgb: np.ndarray, fmt: str, quality: int | None = None) -> tuple[bytes, str]:
-    """Encoder settings favour speed: PNG at the lowest compression level, WebP at its
-    fastest method; JPEG quality 90 unless asked."""
+    """Encoder settings favour speed: PNG at the lowest compression level with run-length
+    matching, WebP at its fastest method; JPEG quality 90 unless asked."""
     pil_fmt, mime = OUTPUT_FORMATS[fmt]
     check_encodable(rgb.shape[1], rgb.shape[0], fmt)
     if pil_fmt == "WEBP" and rgb.shape[0] * rgb.shape[1] <= PILLOW_WEBP_MAX_PIXELS:
@@ -244,7 +252,7 @@ def encode_image(rgb: np.ndarray, fmt: str, quality: int | None = None) -> tuple
     # (80 ms at 40 MP froze the event loop and the probes that long), so bigger WebP answers
     # go here too, at about 3x Pillow's CPU (OpenCV has no fastest-method setting), which the
     # worker's lower priority absorbs
-    ext, params = {"PNG": (".png", [cv2.IMWRITE_PNG_COMPRESSION, 1]),
+    ext, params = {"PNG": (".png", PNG_PARAMS),
                    "JPEG": (".jpg", [cv2.IMWRITE_JPEG_QUALITY, quality or 90]),
                    "WEBP": (".webp", [cv2.IMWRITE_WEBP_QUALITY, min(100, max(1, quality or 85))])}[pil_fmt]
     ok, out = cv2.imencode(ext, cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR), params)
