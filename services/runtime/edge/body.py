@@ -57,7 +57,10 @@ class BodyBuffer:
         self._view: memoryview | None = None
         self._grown = bytearray()
         if expected is not None and expected >= DIRECT_MIN_BYTES:
-            self._direct = _new_bytes(None, expected)
+            try:  # (untouched pages cost nothing, but a strict overcommit policy may refuse them)
+                self._direct = _new_bytes(None, expected)
+            except MemoryError:
+                return
             raw = (ctypes.c_char * expected).from_address(_bytes_address(self._direct))
             self._view = memoryview(raw).cast("B")
 
