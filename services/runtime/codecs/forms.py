@@ -4,10 +4,12 @@ the runtime runs it in its executor, never on the event loop."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from services.runtime.codecs import json_big_strings
+from services.runtime.codecs.fresh_bytes import FreshBytes
+from services.runtime.codecs.gil_lane import in_lane, lane
 from services.runtime.errors import ApiError
 
 
@@ -62,7 +64,7 @@ def parse_json(body: bytes, max_depth: int) -> Any:
     that is not finite (NaN, Infinity, 1e999). json.loads itself stops at about 1000
     levels (RecursionError); the walk afterwards enforces max_depth."""
     try:
-        doc = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
+        doc = json_big_strings.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
     except _NotFinite as exc:
         raise ApiError(422, "invalid_parameter", f"JSON numbers must be finite, got {str(exc)[:40]}") from None
     except RecursionError:
@@ -84,6 +86,9 @@ def parse_json_object(body: bytes, max_depth: int, max_fields: int) -> dict[str,
 
 
 # ---- multipart ----------------------------------------------------------------------
+MULTIPART_SLICE = 1 << 20
+
+
 def parse_multipart(body: bytes, content_type_header: str, max_fields: int) -> dict[str, Part]:
     """Every part in memory, by field name; a repeated name or too many parts is a 422."""
     from python_multipart.exceptions import FormParserError
@@ -120,7 +125,7 @@ def parse_multipart(body: bytes, content_type_header: str, max_fields: int) -> d
         if name is None:
             raise ApiError(400, "bad_multipart", "a multipart part has no field name")
         filename = disp.get(b"filename")
-        parts.append(Part(name.decode("utf-8", "replace"), b"".join(state["data"]),
+        parts.append(Part(name.decode("utf-8", "replace"), state["data"],  # joined below
                           None if filename is None else filename.decode("utf-8", "replace"),
                           media_type(state["headers"].get("content-type", ""))))
 
@@ -129,7 +134,9 @@ def parse_multipart(body: bytes, content_type_header: str, max_fields: int) -> d
                  "on_part_data": on_part_data, "on_part_end": on_part_end}
     try:
         parser = MultipartParser(boundary, callbacks)
-        parser.write(body)
+        for i in range(0, len(body), MULTIPART_SLICE):  # slices, each in the GIL lane
+            with lane():
+                parser.write(body[i:i + MULTIPART_SLICE])
         parser.finalize()
     except ApiError:
         raise
@@ -137,10 +144,25 @@ def parse_multipart(body: bytes, content_type_header: str, max_fields: int) -> d
         raise ApiError(400, "bad_multipart", f"cannot parse the multipart body: {exc}") from None
     out: dict[str, Part] = {}
     for part in parts:
+        part.data = _joined(part.data)
         if part.name in out:
             raise ApiError(422, "invalid_parameter", f"{part.name}: given more than once")
         out[part.name] = part
     return out
+
+
+def _joined(pieces: list[bytes]) -> bytes:
+    """A part's pieces (a slice of the body at most each) as one object, written in place
+    piece by piece: no join of megabytes with the GIL held."""
+    if len(pieces) <= 1:
+        return pieces[0] if pieces else b""
+    size = sum(map(len, pieces))
+    if size < 2:
+        return b"".join(pieces)
+    out = FreshBytes(size)
+    for piece in pieces:
+        in_lane(len(piece), out.write, piece)
+    return out.take()
 
 
 def text_fields(parts: dict[str, Part], skip: tuple[str, ...]) -> dict[str, str]:

@@ -11,11 +11,11 @@ the loop (services.runtime.codecs.forms).
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Awaitable, Callable
 
 from starlette.requests import ClientDisconnect, Request
 
+from services.runtime.codecs.fresh_bytes import FreshBytes
 from services.runtime.edge.json_items import CLOSE, JsonItemCounter, is_json_media
 from services.runtime.errors import ApiError, ClientGone
 
@@ -34,58 +34,45 @@ def query_params(request: Request) -> dict[str, str]:
 HOLD_HEADROOM = 64 * 1024
 
 
-# A body declared at least this big is written straight into the bytes object it ends up as.
-# Joining it afterwards (bytes(bytearray)) copied 15 MB in one go with the GIL held: sixteen
-# concurrent 12 MP PNG uploads spent most of their GIL time there, and the probes waited.
+# A body declared at least this big is written straight into the bytes object it ends up as
+# (services.runtime.codecs.fresh_bytes): joining it afterwards copied 15 MB in one go with
+# the GIL held, and sixteen concurrent 12 MP PNG uploads spent most of their GIL time there.
 DIRECT_MIN_BYTES = 1 << 20
-
-_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
-_new_bytes.restype, _new_bytes.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
-_bytes_address = ctypes.pythonapi.PyBytes_AsString
-_bytes_address.restype, _bytes_address.argtypes = ctypes.c_void_p, (ctypes.py_object,)
 
 
 class BodyBuffer:
-    """The body's bytes as they arrive. With a length known ahead, a ``bytes`` object of that
-    size is made uninitialised (its pages untouched until written: RSS grows as bytes arrive)
-    and the pieces are copied into it; it is handed out only once every byte is written, and
-    nothing else sees it before. Otherwise a bytearray, copied once at the end."""
+    """The body's bytes as they arrive: in place when the length is known ahead, else in a
+    bytearray copied once at the end."""
 
     def __init__(self, expected: int | None):
         self.size = 0
-        self._direct: bytes | None = None
-        self._view: memoryview | None = None
+        self._direct: FreshBytes | None = None
         self._grown = bytearray()
         if expected is not None and expected >= DIRECT_MIN_BYTES:
-            try:  # (untouched pages cost nothing, but a strict overcommit policy may refuse them)
-                self._direct = _new_bytes(None, expected)
+            try:
+                self._direct = FreshBytes(expected)
             except MemoryError:
-                return
-            raw = (ctypes.c_char * expected).from_address(_bytes_address(self._direct))
-            self._view = memoryview(raw).cast("B")
+                pass
 
     def add(self, piece: bytes) -> None:
-        end = self.size + len(piece)
-        if self._view is not None:
-            if end > len(self._view):  # more than declared (the server stops at the length anyway)
+        if self._direct is not None:
+            if self.size + len(piece) > self._direct.capacity:  # (the server stops at the length anyway)
                 raise ApiError(400, "bad_request", "the body is longer than its Content-Length", CLOSE)
-            self._view[self.size:end] = piece
+            self._direct.write(piece)
         else:
             self._grown += piece
-        self.size = end
+        self.size += len(piece)
 
     def before(self) -> memoryview | bytearray:
-        return self._view[:self.size] if self._view is not None else self._grown
+        return self._direct.written() if self._direct is not None else self._grown
 
     def take(self) -> bytes:
-        if self._view is None:
+        if self._direct is None:
             return bytes(self._grown)
-        view, data = self._view, self._direct
-        self._view = self._direct = None
-        view.release()
-        if self.size != len(data):  # the server ends a body at its length: this cannot be short
-            raise ApiError(400, "bad_request", "the body is shorter than its Content-Length", CLOSE)
-        return data
+        try:
+            return self._direct.take()
+        except ValueError:  # the server ends a body at its length: this cannot be short
+            raise ApiError(400, "bad_request", "the body is shorter than its Content-Length", CLOSE) from None
 
 
 def media_type_of(request: Request) -> str:

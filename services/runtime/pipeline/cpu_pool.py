@@ -8,6 +8,7 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import Any
 
+from services.runtime.codecs.gil_lane import lane
 from services.runtime.device.threads import lower_priority
 
 
@@ -27,5 +28,20 @@ class CpuPool:
     async def run(self, fn: Callable, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    def release(self, garbage: list) -> None:
+        """Let a request's big objects go on a worker, in the GIL lane, instead of on the event
+        loop: freeing them hands their pages back to the system (munmap, tens of MB a request),
+        and after one batch of eight 20 MB JSON uploads the loop spent 40-80 ms doing it in a
+        row while the probes waited. The caller keeps no other reference."""
+        try:
+            self._pool.submit(_clear, garbage)
+        except RuntimeError:  # shut down: here then
+            garbage.clear()
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _clear(garbage: list) -> None:
+    with lane():
+        garbage.clear()

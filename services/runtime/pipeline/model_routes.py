@@ -164,7 +164,9 @@ class ModelPipeline:
                 dt = time.perf_counter() - t1
                 timing.add("encode", dt)
                 self.metrics.stage.labels(route.path, "encode").observe(dt)
+            garbage = [work, results, raw, body]
             del work, results, raw, body
+            self.cpu.release(garbage)
             charge.account(reply_size(reply))  # only the answer is held now, until it is sent
         except BaseException:
             charge.close()

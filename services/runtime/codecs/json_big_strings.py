@@ -1,0 +1,135 @@
+"""JSON bodies that carry pictures as base64 strings, parsed without one long hold of the GIL.
+
+``json.loads`` scans a 20 MB document in one call: 8 ms warm, several times that with cold
+pages and two busy cores, and the event loop (with the probes) waits for all of it. Here the
+big base64 strings are found first with byte searches (each a short call, in the GIL lane),
+cut out of the document, and put back into the parsed result; json.loads only sees what is
+left, a few hundred bytes. A string is cut out only when the result is certain to be what
+json.loads gives: at least ``BIG_STRING`` long, no backslash, only base64 characters after an
+optional ``data:...,`` prefix, and a value (not a key). Anything else (escapes, keys, a
+document that is not JSON) goes to json.loads as it is, which then answers as it always did.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+from services.runtime.codecs.fresh_bytes import FreshAscii
+from services.runtime.codecs.gil_lane import in_lane, lane
+
+BIG_STRING = 64 * 1024
+SCAN_SLICE = 1 << 18
+MAX_BACKSLASH_RUN = 64      # a longer run before a quote: not worth working out, json.loads it
+_BASE64 = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/="
+_WHITESPACE = b" \t\r\n"
+
+
+def _base64_text(data: memoryview) -> str | None:
+    """The string json.loads would give for these bytes when they are base64 (after an
+    optional data: URL prefix), built a slice at a time in the GIL lane; else None."""
+    head = bytes(data[:256])
+    start = 0
+    if head.startswith(b"data:"):
+        comma = head.find(b",")
+        if comma < 0 or not head[:comma].isascii() or any(b < 0x20 for b in head[:comma]):
+            return None
+        start = comma + 1
+    out = FreshAscii(len(data))
+    out.write(data[:start])
+    for i in range(start, len(data), SCAN_SLICE):
+        with lane():
+            piece = bytes(data[i:i + SCAN_SLICE])
+            if piece.translate(None, _BASE64):
+                return None
+            out.write(piece)
+    return out.take()
+
+
+def _string_end(body: bytes, start: int, quotes_left: list[int]) -> int:
+    """The index of the quote that closes the string opened at `start - 1`; -1 when not found
+    (or not worth finding)."""
+    j = start
+    while True:
+        quotes_left[0] -= 1
+        if quotes_left[0] < 0:
+            return -1
+        e = in_lane(len(body) - j, body.find, b'"', j)
+        if e < 0:
+            return -1
+        k = e - 1
+        while k >= start and body[k] == 0x5C and e - 1 - k < MAX_BACKSLASH_RUN:
+            k -= 1
+        run = e - 1 - k
+        if run >= MAX_BACKSLASH_RUN:
+            return -1
+        if run % 2 == 0:
+            return e
+        j = e + 1
+
+
+def _is_key(body: bytes, end: int) -> bool:
+    i = end + 1
+    while i < len(body) and body[i] in _WHITESPACE:
+        i += 1
+    return i < len(body) and body[i] == 0x3A  # ':'
+
+
+def split_big_strings(body: bytes, max_strings: int) -> tuple[bytes, dict[str, str]] | None:
+    """(the document with each big base64 string replaced by a unique placeholder, the strings
+    by placeholder), or None when there is none to cut out (or the scan gave up)."""
+    view = memoryview(body)
+    token = secrets.token_hex(8)
+    pieces: list[bytes] = []
+    bigs: dict[str, str] = {}
+    quotes_left = [2 * max_strings + 2]
+    i = done = 0
+    while True:
+        q = in_lane(len(body) - i, body.find, b'"', i)
+        if q < 0:
+            break
+        e = _string_end(body, q + 1, quotes_left)
+        if e < 0:
+            return None
+        if e - q - 1 >= BIG_STRING and in_lane(e - q, body.find, b"\\", q + 1, e) < 0 and not _is_key(body, e):
+            text = _base64_text(view[q + 1:e])
+            if text is not None:
+                name = f"\u0000onecard:{token}:{len(bigs)}"
+                pieces.append(bytes(view[done:q]))
+                pieces.append(json.dumps(name).encode())
+                bigs[name] = text
+                done = e + 1
+        i = e + 1
+    if not bigs:
+        return None
+    pieces.append(bytes(view[done:]))
+    return b"".join(pieces), bigs
+
+
+def _put_back(doc: Any, bigs: dict[str, str]) -> Any:
+    if isinstance(doc, str):
+        return bigs.get(doc, doc)
+    stack = [doc]
+    while stack:
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            if isinstance(value, str):
+                if value in bigs:
+                    node[key] = bigs[value]
+            elif isinstance(value, (dict, list)):
+                stack.append(value)
+    return doc
+
+
+MAX_STRINGS = 20_000        # strings scanned before the big ones; past that, json.loads it all
+
+
+def loads(body: bytes, max_strings: int = MAX_STRINGS, **kwargs: Any) -> Any:
+    """json.loads(body, **kwargs), with the big base64 strings cut out first (see above)."""
+    split = split_big_strings(body, max_strings) if len(body) >= BIG_STRING else None
+    if split is None:
+        return in_lane(len(body), json.loads, body, **kwargs)
+    skeleton, texts = split
+    return _put_back(in_lane(len(skeleton), json.loads, skeleton, **kwargs), texts)

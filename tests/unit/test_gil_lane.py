@@ -1,0 +1,171 @@
+"""Work that keeps the GIL (JSON, base64, multipart) takes turns in one lane, in short slices,
+and big JSON bodies reach json.loads without their base64 strings: the event loop competes
+with one such thread at a time, for a fraction of a millisecond each (services.runtime.
+codecs.gil_lane, json_big_strings, fresh_bytes)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import sys
+import threading
+import weakref
+
+import pytest
+
+from services.runtime.codecs import json_big_strings
+from services.runtime.codecs.base64_text import decode_base64, encode_base64
+from services.runtime.codecs.forms import parse_json, parse_multipart
+from services.runtime.codecs.fresh_bytes import FreshAscii, FreshBytes
+from services.runtime.codecs.gil_lane import lane
+from services.runtime.errors import ApiError
+from services.runtime.pipeline.cpu_pool import CpuPool
+
+BIG = base64.b64encode(os.urandom(400_000)).decode()
+
+
+def _finishes_only_after_the_lane_is_free(work) -> bool:
+    done = threading.Event()
+    th = threading.Thread(target=lambda: (work(), done.set()))
+    with lane():
+        th.start()
+        held_back = not done.wait(0.5)
+    th.join(10)
+    return held_back and done.is_set()
+
+
+@pytest.mark.parametrize("step", ["json", "base64 in", "base64 out", "multipart"])
+def test_big_gil_bound_steps_wait_for_the_lane(step):
+    doc = json.dumps({"image": "x" + BIG[1:] + "\\n", "n": 1}).encode()  # an escape: all of it goes to json.loads
+    form = b"--b\r\nContent-Disposition: form-data; name=\"f\"\r\n\r\n" + BIG.encode() + b"\r\n--b--\r\n"
+    work = {"json": lambda: parse_json(doc, 16), "base64 in": lambda: decode_base64(BIG, "image"),
+            "base64 out": lambda: encode_base64(os.urandom(300_000)),
+            "multipart": lambda: parse_multipart(form, "multipart/form-data; boundary=b", 4)}[step]
+    assert _finishes_only_after_the_lane_is_free(work)
+
+
+def test_small_work_does_not_wait_for_the_lane():
+    done = threading.Event()
+    with lane():
+        th = threading.Thread(target=lambda: (parse_json(b'{"a": [1, 2]}', 16), decode_base64("aGk=", "x"),
+                                              done.set()))
+        th.start()
+        assert done.wait(5)
+    th.join()
+
+
+DOCS = [
+    {"image": BIG, "steps": 2, "prompt": 'a "quoted" \\ prompt\n'},
+    {"init_images": [BIG, "data:image/png;base64," + BIG, BIG], "x": {"y": [BIG], "z": []}},
+    [BIG, 1, 2.5, None, True, "", {}],
+    BIG,
+    {BIG: 1, "v": BIG},                       # a big key stays in the document
+    {"image": BIG + "\\/"},                   # escapes: json.loads reads it
+    {'esc\\"': BIG, "k": "\\\\", "z": BIG},
+    {"image": BIG[:-8] + "!!!!!!!!"},         # not base64
+    {"image": "data:" + BIG},                 # a data: prefix without its comma
+    {"image": "ünïcode " + BIG},
+    {"a": BIG + "\\" * 50},                   # an even run of backslashes before the closing quote
+]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=range(len(DOCS)))
+def test_a_document_parses_as_json_loads_parses_it(doc):
+    raw = json.dumps(doc, ensure_ascii=False).encode()
+    assert json_big_strings.loads(raw) == json.loads(raw)
+    assert parse_json(raw, 16) == json.loads(raw)
+    php = raw.replace(b"/", b"\\/")           # PHP escapes every slash
+    assert json_big_strings.loads(php) == json.loads(php)
+
+
+def test_json_loads_sees_only_the_document_around_the_pictures():
+    raw = json.dumps({"init_images": [BIG, "data:image/jpeg;base64," + BIG], "prompt": "a cat", "steps": 20}).encode()
+    skeleton, texts = json_big_strings.split_big_strings(raw, 100)
+    assert len(raw) > 1_000_000 and len(skeleton) < 300
+    assert sorted(map(len, texts.values())) == [len(BIG), len(BIG) + 23]
+
+
+def test_a_json_body_reaches_json_loads_without_its_pictures(monkeypatch):
+    seen: list[int] = []
+    real = json.loads
+    monkeypatch.setattr(json_big_strings.json, "loads",
+                        lambda data, **kw: (seen.append(len(data)), real(data, **kw))[1])
+    doc = parse_json(json.dumps({"init_images": [BIG, BIG], "prompt": "a cat"}).encode(), 16)
+    assert doc["init_images"] == [BIG, BIG] and seen and max(seen) < 300
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"a": "' + BIG.encode() + b'"',                      # unterminated
+    b'{"a": "' + BIG.encode() + b'\x01"}',                 # a control character inside a big string
+    b'"' * 200_001,                                        # quotes and nothing else
+    b'{"a": "' + BIG.encode() + b'"} trailing',
+    b'{"a": "' + BIG.encode() + b'\\' * 101 + b'"}',        # a long run of backslashes: json.loads decides
+])
+def test_what_json_loads_refuses_is_refused(raw):
+    with pytest.raises(ValueError):
+        json.loads(raw)
+    with pytest.raises(ValueError):
+        json_big_strings.loads(raw)
+    with pytest.raises(ApiError) as err:
+        parse_json(raw, 16)
+    assert err.value.status == 400
+
+
+def test_a_multipart_part_over_many_slices_comes_back_whole():
+    data = os.urandom(3_500_000)
+    form = (b"--b\r\nContent-Disposition: form-data; name=\"image\"; filename=\"a.png\"\r\n"
+            b"Content-Type: image/png\r\n\r\n" + data + b"\r\n--b\r\nContent-Disposition: form-data; "
+            b"name=\"t\"\r\n\r\nhi\r\n--b\r\nContent-Disposition: form-data; name=\"e\"\r\n\r\n\r\n--b--\r\n")
+    parts = parse_multipart(form, "multipart/form-data; boundary=b", 8)
+    assert type(parts["image"].data) is bytes and parts["image"].data == data
+    assert (parts["t"].data, parts["e"].data, parts["image"].filename) == (b"hi", b"", "a.png")
+
+
+@pytest.mark.parametrize("kind", [FreshBytes, FreshAscii])
+def test_a_fresh_object_is_handed_out_only_whole(kind):
+    out = kind(10)
+    out.write(b"abcd")
+    with pytest.raises(ValueError):
+        out.take()
+    with pytest.raises(ValueError):
+        out.write(b"0123456789")
+    out.write(b"efghij")
+    got = out.take()
+    expected = b"abcdefghij" if kind is FreshBytes else "abcdefghij"
+    assert type(got) is type(expected) and got == expected and hash(got) == hash(expected)
+    with pytest.raises(ValueError):
+        out.take()
+
+
+def test_released_objects_are_freed_on_a_pool_thread():
+    freed_on: list[str] = []
+
+    class Big:
+        pass
+    pool = CpuPool(2)
+    try:
+        obj = Big()
+        weakref.finalize(obj, lambda: freed_on.append(threading.current_thread().name))
+        garbage = [obj]
+        del obj
+        pool.release(garbage)
+        del garbage
+        for _ in range(100):
+            if freed_on:
+                break
+            threading.Event().wait(0.02)
+    finally:
+        pool.shutdown()
+    assert freed_on and freed_on[0].startswith("onecard-cpu")
+
+
+def test_the_service_process_shortens_the_gil_switch_interval():
+    from services.runtime.shell.process import GIL_SWITCH_S, set_gil_switch_interval
+    before = sys.getswitchinterval()
+    try:
+        assert set_gil_switch_interval({}) == GIL_SWITCH_S == sys.getswitchinterval() == 0.001
+        assert set_gil_switch_interval({"ONECARD_GIL_SWITCH_MS": "2.5"}) == 0.0025
+        assert set_gil_switch_interval({"ONECARD_GIL_SWITCH_MS": "nan"}) == GIL_SWITCH_S
+    finally:
+        sys.setswitchinterval(before)
