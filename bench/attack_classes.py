@@ -190,6 +190,26 @@ def big_png_uploads(u, ctx) -> Result:
     return {"statuses": tally(rs), "notes": {"png_bytes": len(png), "max_s": round(max(r["s"] for r in rs), 1)}}
 
 
+def big_png_uploads_as_json(u, ctx) -> Result:
+    """The same pictures as base64 in a JSON body (the webui's way): parsing and base64 keep the GIL."""
+    import base64
+    import json
+    body = json.dumps({"image": base64.b64encode(I.noisy_png(4000, 3000, 0.42)).decode()}).encode()
+    rs = concurrently(lambda i: request(u.ports["detect"], "POST", "/api/v1/facedetect", body,
+                                        {"Content-Type": "application/json"}), 16)
+    return {"statuses": tally(rs), "notes": {"json_bytes": len(body), "max_s": round(max(r["s"] for r in rs), 1)}}
+
+
+def big_png_uploads_as_forms(u, ctx) -> Result:
+    """The same pictures in multipart forms (curl -F, requests' files=)."""
+    png = I.noisy_png(4000, 3000, 0.42)
+    body = (b"--onecardbench\r\nContent-Disposition: form-data; name=\"image\"; filename=\"a.png\"\r\n"
+            b"Content-Type: image/png\r\n\r\n" + png + b"\r\n--onecardbench--\r\n")
+    rs = concurrently(lambda i: request(u.ports["detect"], "POST", "/api/v1/facedetect", body,
+                                        {"Content-Type": "multipart/form-data; boundary=onecardbench"}), 16)
+    return {"statuses": tally(rs), "notes": {"form_bytes": len(body), "max_s": round(max(r["s"] for r in rs), 1)}}
+
+
 # ---- 10. an endless header value --------------------------------------------------------------------
 def endless_header(u, ctx) -> Result:
     rs, notes = [], {}
@@ -217,5 +237,7 @@ ISSUE_ATTACKS = [
     ("8a heavy webui then 64x64", heavy_then_small),
     ("8b decoder bombs (BMP RLE, PNG chunks)", decoder_bombs),
     ("9 16 concurrent 12 MP PNG uploads", big_png_uploads),
+    ("9b the same as base64 JSON", big_png_uploads_as_json),
+    ("9c the same as multipart forms", big_png_uploads_as_forms),
     ("10 endless header value", endless_header),
 ]

@@ -14,6 +14,7 @@ import numpy as np
 
 from services.runtime.codecs.base64_text import decode_base64
 from services.runtime.codecs.forms import parse_json, parse_multipart, text_fields
+from services.runtime.codecs.gil_lane import in_lane
 from services.runtime.codecs.images import DecodeLimits, ImageHeader, choose_format, decode_probed, probe_image
 from services.runtime.codecs.params import Params, as_text, merge, validate
 from services.runtime.errors import ApiError
@@ -21,6 +22,8 @@ from services.runtime.pipeline.raw_request import RawRequest
 from services.runtime.pipeline.settings import ModelServiceSettings
 
 _NO_LIMIT = 10**9
+# bodies from this size on charge what parsing copies out of them (smaller: noise)
+COPIES_CHARGED_FROM = 1 << 20
 
 
 class Request:
@@ -88,7 +91,14 @@ class Request:
             if self.content_type != "application/json":
                 raise ApiError(415, "unsupported_media_type",
                                f"content type {self.content_type or '(none)'!r}: send application/json")
-            doc = parse_json(self.body, self._settings.max_json_depth)
+            body = self._raw.body
+            cost = self._raw.cost
+            if cost is not None and len(body) >= COPIES_CHARGED_FROM:
+                # its strings (1 byte a character, up to 4 when one is not ASCII) and the
+                # pictures their base64 decodes to (3/4 of it at most)
+                ascii_only = in_lane(len(body), body.isascii)
+                cost.hold_body_copies(len(body) * (1 if ascii_only else 4) + len(body) * 3 // 4)
+            doc = parse_json(body, self._settings.max_json_depth)
             if isinstance(doc, dict) and len(doc) > self._settings.max_fields:
                 raise ApiError(422, "invalid_parameter", f"body: more than {self._settings.max_fields} fields")
             self._json = doc
@@ -228,7 +238,9 @@ class Request:
                     pictures[name] = decode_base64(value, name, settings.max_body_bytes)
             self._pictures, self._fields = pictures, merge(query, doc)
         elif ctype == "multipart/form-data":
-            parts = parse_multipart(self.body, self._raw.content_type_header, settings.max_fields)
+            if self._raw.cost is not None and len(self._raw.body) >= COPIES_CHARGED_FROM:
+                self._raw.cost.hold_body_copies(len(self._raw.body))  # the parts, copied out of it
+            parts = parse_multipart(self._raw.body, self._raw.content_type_header, settings.max_fields)
             pictures = {}
             if main:
                 part = parts.get(main)

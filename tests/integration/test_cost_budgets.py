@@ -71,6 +71,30 @@ def test_what_one_request_may_hold_is_bounded_and_said(tmp_path):
         assert "one request may hold 8.0 MiB" in one_big.json()["error"]["message"]
 
 
+def test_a_json_body_is_charged_what_parsing_copies_out_of_it(tmp_path):
+    """A picture sent as base64 in JSON holds its body, the document's string (as big) and the
+    decoded picture (3/4 of it) before a pixel is decoded: the same picture fits as raw bytes
+    and is refused as JSON, with the figures, before it is parsed."""
+    import base64
+    import json
+    picture = noisy_png_bytes(940, 940)       # 2.6 MB, 2.6 MB decoded (and as much as the item): 8 MB in all
+    with ServiceProcess(APP, {"max_request_bytes": 8 * 2**20, "batching": True}, tmp_path) as svc:
+        raw = post(svc, "?id=raw", body=picture)
+        assert raw.status_code == 200, raw.text
+        doc = json.dumps({"image": base64.b64encode(picture).decode()}).encode()
+        as_json = post(svc, "?id=json", body=doc, headers={"content-type": "application/json"})
+        assert as_json.status_code == 413 and as_json.json()["error"]["code"] == "too_costly", as_json.text
+        assert "once its body is parsed" in as_json.json()["error"]["message"]
+        small = json.dumps({"image": base64.b64encode(small_png()).decode()}).encode()
+        assert post(svc, "?id=small", body=small, headers={"content-type": "application/json"}).status_code == 200
+        assert seen(svc)["seen"] == ["raw", "small"]
+
+
+def noisy_png_bytes(width: int, height: int) -> bytes:
+    from tests.images import noisy_png
+    return noisy_png(width, height)
+
+
 def test_a_dry_run_reads_headers_only_and_is_counted_apart(tmp_path):
     """A PNG whose header is fine but whose data is garbage: the real call decodes it and gets
     400; the dry run never decodes, answers the cost, and moves neither served nor the

@@ -124,6 +124,31 @@ class RequestCost:
         self.body_bytes = body_bytes
         self.dry_run = dry_run
         self.estimate: CostEstimate | None = None
+        self.body_copies = 0
+
+    def hold_body_copies(self, extra: int) -> None:
+        """What parsing the body is about to copy out of it (a JSON document's strings, the
+        pictures its base64 decodes to, multipart parts), held with the body from now on:
+        a 20 MB JSON picture holds about 2.75 times its body once parsed and decoded, and
+        sixteen of them took the service past its budget while only their bodies counted.
+        Waits its turn (MemoryWait) like the body when others hold the room."""
+        extra = int(extra)
+        if extra <= self.body_copies:
+            return
+        grow = extra - self.body_copies
+        held = (self.estimate.held_bytes if self.estimate is not None else self.body_bytes) + grow
+        budgets = self.service.budgets if self.service is not None else None
+        if budgets is not None and held > budgets.request_bytes:
+            raise ApiError(413, "too_costly",
+                           f"this request would hold about {mib(held)} once its body is parsed (the body, the "
+                           f"text and pictures copied out of it); one request may hold "
+                           f"{mib(budgets.request_bytes)}: send a smaller body (a picture as raw bytes or "
+                           f"multipart costs less than base64 in JSON)")
+        self.charge.hold(held, "the body's contents", wait=True)
+        self.body_copies = extra
+        self.body_bytes += grow
+        if self.estimate is not None:
+            self.estimate = CostEstimate(**{**self.estimate.as_dict(), "held_bytes": held})
 
     def check(self, *, items: int = 1, item_pixels: int | Iterable[int] = 0, input_pixels: int = 0,
               output_pixels: int = 0, output_bytes: int | None = None, base64_output: bool = False,
