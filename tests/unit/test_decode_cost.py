@@ -162,6 +162,17 @@ def test_json_answers_splice_big_base64_and_stay_valid_json():
     assert len(parts) > 1 and json.loads(json_bytes(doc)) == json.loads(json.dumps(doc))
 
 
+def test_json_answers_splice_any_big_string_exactly_as_json_dumps_writes_it():
+    """Every big string goes out a slice at a time; slices that need escaping are escaped as
+    json.dumps escapes them inside the whole (a character at a time, across slice edges)."""
+    from services.runtime.codecs import json_answer
+    edge = json_answer.SPLICE_STEP
+    tricky = ("a" * (edge - 1) + "\"" + "\\" + "é" * 10 + "\U0001F600" + "\u0000\n\t" + "b" * 70_000)
+    doc = {"text": tricky, "ascii": "x" * 200_000, "list": [tricky[::-1], 1], "key \"q\"": "short"}
+    assert json_bytes(doc) == json.dumps(doc, separators=(",", ":")).encode()
+    assert len(json_parts(doc)) > 4
+
+
 def _png_chunks(png: bytes) -> list[tuple[bytes, bytes]]:
     out, pos = [], 8
     while pos + 8 <= len(png):

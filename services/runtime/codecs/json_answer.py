@@ -1,9 +1,10 @@
-"""JSON answers as byte strings, without scanning big base64 pictures.
+"""JSON answers as byte strings, big strings a slice at a time.
 
-Big base64 strings we produced (codecs.base64_text.Base64Text) are spliced into the
-document rather than scanned by json.dumps: 27 MB of base64 took json.dumps 40 ms with
-the GIL held, which stalled the event loop and the probes; nor is the answer joined
-into one more copy.
+Big strings (base64 pictures, mostly) are spliced into the document rather than scanned by
+json.dumps: 27 MB of base64 took json.dumps 40 ms with the GIL held, which stalled the
+event loop and the probes. Each slice is checked (and escaped, when it needs it: JSON
+escapes a character at a time, so a slice escapes as it would inside the whole) in the GIL
+lane, and the answer is sent as its parts, never joined into one more copy.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import secrets
 from typing import Any
 
-from services.runtime.codecs.base64_text import Base64Text
+from services.runtime.codecs.gil_lane import lane
 
 SPLICE_OVER = 64 * 1024
 SPLICE_STEP = 1 << 20
@@ -24,7 +25,7 @@ def json_parts(doc: Any) -> list[bytes]:
     mark = f"onecard-splice-{secrets.token_hex(8)}-"  # no caller's string can hold it
 
     def swap(node: Any) -> Any:
-        if isinstance(node, Base64Text) and len(node) > SPLICE_OVER:
+        if isinstance(node, str) and len(node) > SPLICE_OVER:
             big.append(node)
             return f"{mark}{len(big) - 1}"
         if isinstance(node, dict):
@@ -41,9 +42,26 @@ def json_parts(doc: Any) -> list[bytes]:
     for piece in pieces[1:]:
         index, _, rest = piece.partition('"')
         text = big[int(index)]
-        parts += [text[i:i + SPLICE_STEP].encode("ascii") for i in range(0, len(text), SPLICE_STEP)]
+        for i in range(0, len(text), SPLICE_STEP):
+            with lane():
+                parts.append(_json_text(text[i:i + SPLICE_STEP]))
         parts += [b'"', rest.encode()]
     return parts
+
+
+# what json.dumps writes as it is (ensure_ascii): printable ASCII but the quote and backslash
+_UNESCAPED = bytes(b for b in range(0x20, 0x7F) if b not in b'"\\')
+
+
+def _json_text(piece: str) -> bytes:
+    """A string's slice as it appears inside the JSON document."""
+    try:
+        data = piece.encode("ascii")
+        if not data.translate(None, _UNESCAPED):
+            return data
+    except UnicodeEncodeError:
+        pass
+    return json.dumps(piece)[1:-1].encode("ascii")
 
 
 def json_bytes(doc: Any) -> bytes:
