@@ -104,7 +104,10 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
             return await _accept(request, idem, span)
 
     async def _accept(request: Request, idem: str | None, span: Any) -> Any:
-        raw = await read_body(request, settings.max_body_bytes)
+        # the JSON's items counted as it arrives, as every service's bodies: a 30 MB document of
+        # `[]` is refused at its first 10 000 items, not read whole and parsed in the helper
+        raw = await read_body(request, settings.max_body_bytes, max_json_items=settings.max_json_items,
+                              max_json_depth=settings.max_json_depth)
         req = await svc.digest(raw)
         del raw
         if not req.parsed:
