@@ -109,7 +109,9 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
         raw = await read_body(request, settings.max_body_bytes, max_json_items=settings.max_json_items,
                               max_json_depth=settings.max_json_depth)
         req = await svc.digest(raw)
+        garbage = [raw]
         del raw
+        svc.release(garbage)  # its pages go back on a worker thread, not on the loop
         if not req.parsed:
             req.raise_error()
         try:

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import concurrent.futures.process
 import logging
-import multiprocessing
 import os
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +14,7 @@ from typing import Any
 from services.jobs.admission import SubmitBudget
 from services.jobs.broker import Broker, ModelInfo, QueueUnavailable
 from services.jobs.consumer import Consumer, is_json_document
+from services.jobs.helper_pipe import HelperGone, HelperPool
 from services.jobs.memory_broker import MemoryBroker
 from services.jobs.metrics import STAGES, JobsMetrics
 from services.jobs.payload import Digest, Limits, SubmitRequest, digest_submit
@@ -62,7 +61,8 @@ class JobsService:
         self.startup_problem: str | None = None
         self._startup_task: asyncio.Task | None = None
         self.executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="onecard-jobs-cpu")
-        self._processes: concurrent.futures.ProcessPoolExecutor | None = None  # big submits, started on first use
+        self.helpers = HelperPool(2)  # big submits and results: processes started on first use
+        self._helper_threads = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="onecard-jobs-helper")
         self.submits = SubmitBudget(settings.submit_memory_bytes, settings.retry_after_s, settings.submit_wait_s)
         self.result_streams = 0
         self.registry = Registry(self.broker, lambda: [t.model_info() for t in self.targets if t.label],
@@ -150,8 +150,8 @@ class JobsService:
             await t.close()
         await self.broker.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
-        if self._processes is not None:
-            self._processes.shutdown(wait=False, cancel_futures=True)
+        self._helper_threads.shutdown(wait=False, cancel_futures=True)
+        self.helpers.close()
 
     def problem(self) -> str | None:
         """Why this process cannot do its work (for /healthz), or None."""
@@ -206,30 +206,45 @@ class JobsService:
         return None
 
     async def digest(self, raw: bytes) -> Digest:
-        """The submit parsed and checked with the unit's own limits (digest_submit)."""
-        limits = Limits(self.settings.max_image_bytes, self.settings.max_pixels)
-        return await self.heavy(len(raw), digest_submit, raw, self.settings.max_json_depth, limits,
-                                self.settings.max_json_items)
+        """The submit parsed and checked with the unit's own limits (digest_submit), in a
+        helper process when it is big."""
+        cfg = self.settings
+        limits = Limits(cfg.max_image_bytes, cfg.max_pixels)
+        if len(raw) > PROCESS_BYTES:
+            args = {"max_depth": cfg.max_json_depth, "max_image_bytes": cfg.max_image_bytes,
+                    "max_pixels": cfg.max_pixels, "max_items": cfg.max_json_items}
+            done = await self._in_helper("digest", args, raw)
+            if done is not None:
+                r, body = done[0]["result"], done[1]
+                return Digest(r["parsed"], r["service"], r["route"], r["model"], r["priority"], body, r["sha"],
+                              [tuple(i) for i in r["images"]], tuple(r["error"]) if r["error"] else None)
+        return await self.cpu(len(raw), digest_submit, raw, cfg.max_json_depth, limits, cfg.max_json_items)
 
     async def is_json(self, data: bytes) -> bool:
-        return await self.heavy(len(data), is_json_document, data)
+        if len(data) > PROCESS_BYTES:
+            done = await self._in_helper("is_json", {}, data)
+            if done is not None:
+                return bool(done[0]["result"]["is_json"])
+        return await self.cpu(len(data), is_json_document, data)
 
-    async def heavy(self, size: int, fn: Callable, *args: Any) -> Any:
-        """CPU work on a caller's data: in a thread when small, in a helper process when big. A
-        thread is not enough for big JSON: json.loads and json.dumps of 30 MB hold the GIL, and
-        with it the probes, for tens of milliseconds."""
-        if size <= PROCESS_BYTES:
-            return await self.cpu(size, fn, *args)
-        if self._processes is None:
-            self._processes = concurrent.futures.ProcessPoolExecutor(
-                2, mp_context=multiprocessing.get_context("spawn"))  # never a bare fork of a threaded process
+    async def _in_helper(self, fn: str, args: dict[str, Any], data: bytes) -> tuple[dict, bytes] | None:
+        """A thread is not enough for big JSON: json.loads and json.dumps of 30 MB hold the
+        GIL, and with it the probes, for tens of milliseconds (services.jobs.helper_pipe).
+        None when the helper is gone: the caller does it here, this once."""
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._processes, fn, *args)
-        except concurrent.futures.process.BrokenProcessPool:
-            log.warning("jobs: the helper process died; starting another")
-            self._processes.shutdown(wait=False, cancel_futures=True)
-            self._processes = None
-            return await self.cpu(size, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._helper_threads, self.helpers.call,
+                                                                    fn, args, data)
+        except HelperGone as exc:
+            log.warning("jobs: the helper process is gone (%s); starting another", exc)
+            return None
+
+    def release(self, garbage: list) -> None:
+        """Let big objects go on a worker thread (see CpuPool.release): freeing 30 MB hands
+        its pages back to the system, 2 to 3 ms the loop would spend."""
+        try:
+            self.executor.submit(garbage.clear)
+        except RuntimeError:  # shut down
+            garbage.clear()
 
     async def cpu(self, size: int, fn: Callable, *args: Any) -> Any:
         if size <= INLINE_BYTES:

@@ -54,6 +54,18 @@ class FreshBytes:
         self._view[self.size:end] = piece
         self.size = end
 
+    def fill_from(self, fd: int) -> None:
+        """Read the rest from a file descriptor, straight into the object (the kernel copies,
+        with the GIL released); EOFError when it ends first."""
+        import os
+        if self._view is None:
+            raise ValueError("taken already")
+        while self.size < len(self._view):
+            n = os.readv(fd, [self._view[self.size:]])
+            if n == 0:
+                raise EOFError(f"{len(self._view) - self.size} bytes missing")
+            self.size += n
+
     def written(self) -> memoryview:
         """What was written so far (read it before take())."""
         assert self._view is not None

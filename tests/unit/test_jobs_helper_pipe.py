@@ -1,0 +1,77 @@
+"""Big submits and results are checked in helper processes, their bytes moved through pipes
+(services.jobs.helper_pipe): no pickling of 30 MB with the GIL held. Real processes; every
+one is stopped by the test that started it."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+
+import pytest
+
+from services.jobs.helper_pipe import HelperGone, HelperPool
+from services.jobs.payload import Limits, digest_submit
+from tests.images import noisy_png, small_png
+
+ARGS = {"max_depth": 32, "max_image_bytes": 20_000_000, "max_pixels": 40_000_000, "max_items": 10_000}
+
+
+@pytest.fixture
+def pool():
+    p = HelperPool(2)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def _submits() -> list[bytes]:
+    img = base64.b64encode(noisy_png(900, 700)).decode()
+    return [
+        json.dumps({"service": "detect", "route": "/api/v1/facedetect", "image": img,
+                    "params": {"a": "é" * 10}}).encode(),
+        json.dumps({"service": "img2img", "route": "/sdapi/v1/img2img", "body": {"init_images": [img, img]}}).encode(),
+        json.dumps({"service": "detect", "route": "/api/v1/facedetect", "image": img[:-5] + "!!!!!"}).encode(),
+        b'{"x": [' + b"[]," * 20_000 + b"[]]}",
+        json.dumps({"service": "detect", "route": "/../etc", "image": base64.b64encode(small_png()).decode()}).encode(),
+    ]
+
+
+def test_a_helper_digests_a_submit_exactly_as_it_is_digested_here(pool):
+    limits = Limits(ARGS["max_image_bytes"], ARGS["max_pixels"])
+    for raw in _submits():
+        head, body = pool.call("digest", ARGS, raw)
+        here = digest_submit(raw, ARGS["max_depth"], limits, ARGS["max_items"])
+        r = head["result"]
+        assert body == here.body and type(body) is bytes
+        assert (r["parsed"], r["service"], r["route"], r["sha"], [tuple(i) for i in r["images"]]) == \
+            (here.parsed, here.service, here.route, here.sha, here.images)
+        assert (tuple(r["error"]) if r["error"] else None) == here.error
+
+
+def test_a_helper_that_dies_is_replaced(pool):
+    pool.call("is_json", {}, b"[1]")
+    helper = pool._idle[0]
+    os.kill(helper.proc.pid, signal.SIGKILL)
+    helper.proc.wait(5)
+    with pytest.raises(HelperGone):
+        pool.call("is_json", {}, b"[1]" * 1000)
+    head, _ = pool.call("is_json", {}, json.dumps({"a": "b" * 3_000_000}).encode())
+    assert head["result"]["is_json"] is True and pool._idle[0].proc.pid != helper.proc.pid
+
+
+def test_a_helper_ends_when_its_pipe_closes(pool):
+    pool.call("is_json", {}, b"{}")
+    helper = pool._idle[0]
+    helper.proc.stdin.close()
+    assert helper.proc.wait(10) == 0
+    pool._idle.clear()
+    helper.kill()
+
+
+def test_a_failing_call_is_said_and_the_helper_goes_on(pool):
+    with pytest.raises(RuntimeError, match="KeyError"):
+        pool.call("no such function", {}, b"")
+    assert pool.call("is_json", {}, b"not json")[0]["result"]["is_json"] is False
