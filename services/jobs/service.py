@@ -24,6 +24,7 @@ from services.jobs.registry import Registry
 from services.jobs.settings import JobsSettings
 from services.jobs.targets import ResultTooLarge, Target, TargetTimeout, TargetUnreachable, unit_services
 from services.runtime.errors import ApiError
+from services.runtime.shell.heap import freeze_startup_heap
 
 log = logging.getLogger("onecard.jobs")
 INLINE_BYTES = 64 * 1024  # smaller payloads are parsed on the loop: a thread hop would cost more
@@ -100,6 +101,7 @@ class JobsService:
                 self.consumers[t.label] = c
                 c.start()
         self.startup_problem = None
+        await asyncio.get_running_loop().run_in_executor(self.executor, freeze_startup_heap)
         self.ready = True
         log.info("jobs: ready (%s); node %s consumes %s", self.broker.mode, self.node,
                  sorted(self.consumers) or "nothing")

@@ -59,6 +59,7 @@ def static_info(part: ModelPart) -> dict[str, Any]:
         "load_s": part.load_s,
         "warmup_s": part.warmup_s,
         "warmup_inferences": part.warmup_inferences,
+        "frozen_objects": part.frozen_objects,  # start-up objects the garbage collector no longer scans
         "limits": {k: getattr(s, k) for k in LIMIT_KEYS},
         "batching": part.backend.supports_batching and s.max_batch_size > 1,
         "batch_policy": s.batch_policy,

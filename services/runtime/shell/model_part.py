@@ -29,6 +29,7 @@ from services.runtime.pipeline.settings import ModelServiceSettings
 from services.runtime.pipeline.warmup import warm_up
 from services.runtime.shell import model_info
 from services.runtime.shell.app import ServiceShell
+from services.runtime.shell.heap import freeze_startup_heap
 from services.runtime.shell.part import ServicePart
 
 log = logging.getLogger("onecard.service")
@@ -52,6 +53,7 @@ class ModelPart(ServicePart):
         self.load_s: float | None = None
         self.warmup_s: float | None = None
         self.warmup_inferences = 0
+        self.frozen_objects = 0
         self.static_info: dict[str, Any] = {}
 
     @property
@@ -88,6 +90,7 @@ class ModelPart(ServicePart):
                                                scheduler.max_batch)
         self.warmup_s = time.perf_counter() - t1
         await pipeline.cpu.run(self._plan_budgets)
+        self.frozen_objects = await pipeline.cpu.run(freeze_startup_heap)  # before ready: it holds the GIL
         self.static_info = await pipeline.cpu.run(model_info.static_info, self)
         scheduler.start()
         pipeline.ready = True
