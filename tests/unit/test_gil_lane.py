@@ -79,6 +79,18 @@ def test_a_document_parses_as_json_loads_parses_it(doc):
     assert json_big_strings.loads(php) == json.loads(php)
 
 
+@pytest.mark.parametrize("bom", [b"", b"\xff\xfe"])
+def test_a_utf16_document_is_read_as_json_loads_reads_it(bom):
+    # json.loads reads UTF-16 too: here the bytes '"', 'A' * 80 002, '"' are halves of CJK
+    # characters (U+4122, U+4141..., U+2241), not a base64 string to cut out
+    text = "\u2200\u4122" + "\u4141" * 40_000 + "\u2241\u2200"
+    raw = bom + json.dumps({"k": text}, ensure_ascii=False).encode("utf-16-le")
+    assert b'"' + b"A" * 80_002 + b'"' in raw
+    assert json.loads(raw) == {"k": text}
+    assert json_big_strings.loads(raw) == {"k": text}
+    assert parse_json(raw, 16) == {"k": text}
+
+
 def test_megabytes_of_whitespace_around_a_big_string_cost_no_python_loop():
     import time
     raw = b'{"a": "' + BIG.encode() + b'"' + b" " * 15_000_000 + b', "k"' + b"\n" * 5_000_000 + b': 1}'
