@@ -75,3 +75,14 @@ def test_a_failing_call_is_said_and_the_helper_goes_on(pool):
     with pytest.raises(RuntimeError, match="KeyError"):
         pool.call("no such function", {}, b"")
     assert pool.call("is_json", {}, b"not json")[0]["result"]["is_json"] is False
+
+
+def test_a_submit_with_a_megabyte_key_keeps_its_helper_and_a_short_message(pool):
+    # the 422 names the unknown key: whole, its head was over the pipe's 1 MiB and the
+    # helper was killed (and another started) at every such submit
+    raw = json.dumps({"service": "detect", "route": "/api/v1/facedetect", "k" * 1_200_000: 1}).encode()
+    head, _ = pool.call("digest", ARGS, raw)
+    pid = pool._idle[0].proc.pid
+    status, code, message = head["result"]["error"]
+    assert (status, code) == (422, "invalid_parameter") and len(message) < 300 and "Extra inputs" in message
+    assert pool.call("is_json", {}, b"[1]")[0]["result"]["is_json"] is True and pool._idle[0].proc.pid == pid
