@@ -159,6 +159,31 @@ def test_a_fresh_object_is_handed_out_only_whole(kind):
         out.take()
 
 
+def test_a_view_of_what_was_written_outlives_the_object_safely():
+    # in a child process: a view into a freed object reads freed memory (it crashed)
+    import subprocess
+    code = """if True:
+        import gc
+        from services.runtime.codecs.fresh_bytes import FreshBytes
+        out = FreshBytes(1 << 20)
+        out.write(b"x" * (1 << 20))
+        seen = out.written()
+        try:
+            seen[0] = 0
+        except TypeError:
+            pass
+        else:
+            raise SystemExit("the view is writable: the bytes handed out could change")
+        got = out.take()
+        del out, got
+        gc.collect()
+        junk = [bytes(range(256)) * 4096 for _ in range(8)]
+        assert bytes(seen[:4]) == b"xxxx"
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_released_objects_are_freed_on_a_pool_thread():
     freed_on: list[str] = []
 
