@@ -215,3 +215,52 @@ def test_the_service_process_shortens_the_gil_switch_interval():
         assert set_gil_switch_interval({"ONECARD_GIL_SWITCH_MS": "nan"}) == GIL_SWITCH_S
     finally:
         sys.setswitchinterval(before)
+
+
+def test_the_jobs_loop_never_waits_for_the_lane():
+    """A submit of exactly the lane's threshold was parsed on the jobs event loop and took the
+    lane there: the loop stood still while a worker held it."""
+    import asyncio
+    import concurrent.futures
+    import types
+
+    from services.jobs.service import JobsService
+    from services.runtime.codecs.gil_lane import LANE_MIN_BYTES
+
+    body = b'{"a": "' + b"x" * (LANE_MIN_BYTES - 9) + b'"}'
+    assert len(body) == LANE_MIN_BYTES
+    holding, release = threading.Event(), threading.Event()
+
+    def hold_the_lane() -> None:
+        with lane():
+            holding.set()
+            release.wait(2)            # let go on its own: never a hung test
+    holder = threading.Thread(target=hold_the_lane)
+    holder.start()
+    holding.wait(5)
+    executor = concurrent.futures.ThreadPoolExecutor(1)
+    jobs = types.SimpleNamespace(executor=executor)
+
+    async def main() -> tuple[bool, int]:
+        ticks = 0
+
+        async def beat() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+        beater = asyncio.create_task(beat())
+        parse = asyncio.create_task(JobsService.cpu(jobs, len(body), parse_json, body, 4))
+        await asyncio.sleep(0.2)
+        parsed_while_held = parse.done()
+        release.set()
+        assert await parse == {"a": "x" * (LANE_MIN_BYTES - 9)}
+        beater.cancel()
+        return parsed_while_held, ticks
+    try:
+        parsed_while_held, ticks = asyncio.run(main())
+    finally:
+        release.set()
+        holder.join()
+        executor.shutdown()
+    assert not parsed_while_held and ticks > 3
