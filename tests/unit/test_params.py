@@ -188,7 +188,6 @@ def test_a_model_without_fields_has_no_query_parameters():
 
 
 def test_a_long_unknown_key_is_named_short_in_the_422():
-
     class Model(Params):
         steps: int = 1
     with pytest.raises(ApiError) as err:
