@@ -81,6 +81,9 @@ class HelperProcess:
         except (OSError, EOFError, ValueError, struct.error) as exc:
             self.kill()
             raise HelperGone(f"{type(exc).__name__}: {exc}") from None
+        except BaseException:  # anything else mid-frame: out of step with it, so it goes now
+            self.kill()
+            raise
         if not head.get("ok"):
             raise RuntimeError(f"the helper process failed: {head.get('error')}")
         return head, out

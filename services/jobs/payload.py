@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.jobs.settings import valid_route
 from services.runtime.codecs.forms import parse_json
+from services.runtime.codecs.params import field_path
 from services.runtime.edge.json_items import check_json_items
 from services.runtime.errors import ApiError
 
@@ -67,7 +68,7 @@ def parse_envelope(raw: bytes, max_depth: int, max_items: int | None = None) -> 
         req = SubmitRequest.model_validate(doc)
     except ValidationError as exc:
         e = exc.errors()[0]
-        where = ".".join(str(p) for p in e["loc"]) or "request"
+        where = field_path(e["loc"], "request")
         raise ApiError(422, "invalid_parameter", f"{where}: {e['msg']}") from None
     if not valid_route(req.route):
         raise ApiError(422, "invalid_parameter", "route: expected a path such as /api/v1/img2img (letters, "

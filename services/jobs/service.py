@@ -23,11 +23,14 @@ from services.jobs.records import TERMINAL
 from services.jobs.registry import Registry
 from services.jobs.settings import JobsSettings
 from services.jobs.targets import ResultTooLarge, Target, TargetTimeout, TargetUnreachable, unit_services
+from services.runtime.codecs.gil_lane import LANE_MIN_BYTES
 from services.runtime.errors import ApiError
 from services.runtime.shell.heap import freeze_startup_heap
 
 log = logging.getLogger("onecard.jobs")
-INLINE_BYTES = 64 * 1024  # smaller payloads are parsed on the loop: a thread hop would cost more
+# smaller payloads are parsed on the loop (a thread hop would cost more): work on fewer bytes
+# than this never takes the GIL lane, which the loop must never wait for
+INLINE_BYTES = LANE_MIN_BYTES
 PROCESS_BYTES = 1024 * 1024  # bigger submits are parsed in a helper process: no GIL held for long here
 
 
@@ -249,7 +252,7 @@ class JobsService:
             garbage.clear()
 
     async def cpu(self, size: int, fn: Callable, *args: Any) -> Any:
-        if size <= INLINE_BYTES:
+        if size < INLINE_BYTES:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 

@@ -79,6 +79,18 @@ def test_a_document_parses_as_json_loads_parses_it(doc):
     assert json_big_strings.loads(php) == json.loads(php)
 
 
+@pytest.mark.parametrize("bom", [b"", b"\xff\xfe"])
+def test_a_utf16_document_is_read_as_json_loads_reads_it(bom):
+    # json.loads reads UTF-16 too: here the bytes '"', 'A' * 80 002, '"' are halves of CJK
+    # characters (U+4122, U+4141..., U+2241), not a base64 string to cut out
+    text = "\u2200\u4122" + "\u4141" * 40_000 + "\u2241\u2200"
+    raw = bom + json.dumps({"k": text}, ensure_ascii=False).encode("utf-16-le")
+    assert b'"' + b"A" * 80_002 + b'"' in raw
+    assert json.loads(raw) == {"k": text}
+    assert json_big_strings.loads(raw) == {"k": text}
+    assert parse_json(raw, 16) == {"k": text}
+
+
 def test_megabytes_of_whitespace_around_a_big_string_cost_no_python_loop():
     import time
     raw = b'{"a": "' + BIG.encode() + b'"' + b" " * 15_000_000 + b', "k"' + b"\n" * 5_000_000 + b': 1}'
@@ -147,6 +159,31 @@ def test_a_fresh_object_is_handed_out_only_whole(kind):
         out.take()
 
 
+def test_a_view_of_what_was_written_outlives_the_object_safely():
+    # in a child process: a view into a freed object reads freed memory (it crashed)
+    import subprocess
+    code = """if True:
+        import gc
+        from services.runtime.codecs.fresh_bytes import FreshBytes
+        out = FreshBytes(1 << 20)
+        out.write(b"x" * (1 << 20))
+        seen = out.written()
+        try:
+            seen[0] = 0
+        except TypeError:
+            pass
+        else:
+            raise SystemExit("the view is writable: the bytes handed out could change")
+        got = out.take()
+        del out, got
+        gc.collect()
+        junk = [bytes(range(256)) * 4096 for _ in range(8)]
+        assert bytes(seen[:4]) == b"xxxx"
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_released_objects_are_freed_on_a_pool_thread():
     freed_on: list[str] = []
 
@@ -178,3 +215,52 @@ def test_the_service_process_shortens_the_gil_switch_interval():
         assert set_gil_switch_interval({"ONECARD_GIL_SWITCH_MS": "nan"}) == GIL_SWITCH_S
     finally:
         sys.setswitchinterval(before)
+
+
+def test_the_jobs_loop_never_waits_for_the_lane():
+    """A submit of exactly the lane's threshold was parsed on the jobs event loop and took the
+    lane there: the loop stood still while a worker held it."""
+    import asyncio
+    import concurrent.futures
+    import types
+
+    from services.jobs.service import JobsService
+    from services.runtime.codecs.gil_lane import LANE_MIN_BYTES
+
+    body = b'{"a": "' + b"x" * (LANE_MIN_BYTES - 9) + b'"}'
+    assert len(body) == LANE_MIN_BYTES
+    holding, release = threading.Event(), threading.Event()
+
+    def hold_the_lane() -> None:
+        with lane():
+            holding.set()
+            release.wait(2)            # let go on its own: never a hung test
+    holder = threading.Thread(target=hold_the_lane)
+    holder.start()
+    holding.wait(5)
+    executor = concurrent.futures.ThreadPoolExecutor(1)
+    jobs = types.SimpleNamespace(executor=executor)
+
+    async def main() -> tuple[bool, int]:
+        ticks = 0
+
+        async def beat() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+        beater = asyncio.create_task(beat())
+        parse = asyncio.create_task(JobsService.cpu(jobs, len(body), parse_json, body, 4))
+        await asyncio.sleep(0.2)
+        parsed_while_held = parse.done()
+        release.set()
+        assert await parse == {"a": "x" * (LANE_MIN_BYTES - 9)}
+        beater.cancel()
+        return parsed_while_held, ticks
+    try:
+        parsed_while_held, ticks = asyncio.run(main())
+    finally:
+        release.set()
+        holder.join()
+        executor.shutdown()
+    assert not parsed_while_held and ticks > 3

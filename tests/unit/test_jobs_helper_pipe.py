@@ -75,3 +75,26 @@ def test_a_failing_call_is_said_and_the_helper_goes_on(pool):
     with pytest.raises(RuntimeError, match="KeyError"):
         pool.call("no such function", {}, b"")
     assert pool.call("is_json", {}, b"not json")[0]["result"]["is_json"] is False
+
+
+def test_a_submit_with_a_megabyte_key_keeps_its_helper_and_a_short_message(pool):
+    # the 422 names the unknown key: whole, its head was over the pipe's 1 MiB and the
+    # helper was killed (and another started) at every such submit
+    raw = json.dumps({"service": "detect", "route": "/api/v1/facedetect", "k" * 1_200_000: 1}).encode()
+    head, _ = pool.call("digest", ARGS, raw)
+    pid = pool._idle[0].proc.pid
+    status, code, message = head["result"]["error"]
+    assert (status, code) == (422, "invalid_parameter") and len(message) < 300 and "Extra inputs" in message
+    assert pool.call("is_json", {}, b"[1]")[0]["result"]["is_json"] is True and pool._idle[0].proc.pid == pid
+
+
+def test_a_call_that_fails_here_mid_frame_ends_its_helper(pool):
+    import numpy as np
+    pool.call("is_json", {}, b"[1]")
+    helper = pool._idle[0]
+    try:
+        with pytest.raises(TypeError):   # data that cannot be sent (not contiguous)
+            pool.call("is_json", {}, memoryview(np.zeros((4, 4), np.uint8)[:, ::2]))
+        assert helper.proc.wait(10) is not None and pool._idle == []
+    finally:
+        helper.kill()

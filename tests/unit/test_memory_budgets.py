@@ -191,3 +191,42 @@ def test_a_waiter_whose_client_leaves_is_out_of_the_line_and_does_not_block_it()
         assert gone.bytes == 0 and next_one.bytes == 50 and ledger.used == 950
 
     asyncio.run(main())
+
+
+def test_a_hook_run_again_after_waiting_for_its_body_copies_keeps_the_room_it_waited_for():
+    """A hook that states its cost, then parses its body (charged its copies): when the copies
+    wait their turn, the pipeline grants them and runs the hook again. Its cost check then
+    counts the copies: the holding neither shrinks back to the body nor waits again."""
+    import asyncio
+
+    from services.runtime.pipeline.budgets import MemoryWait
+
+    ledger = HeldMemory(1000)
+    running = Charge(ledger)
+    running.hold(800)
+    charge = Charge(ledger)
+    cost = RequestCost(None, charge, body_bytes=100)
+
+    def hook() -> None:
+        cost.check(items=1, output_bytes=0)
+        cost.hold_body_copies(250)
+
+    with pytest.raises(MemoryWait) as wait:
+        hook()
+    assert charge.bytes == 100 and wait.value.needed == 350
+    running.close()
+    asyncio.run(ledger.wait_for(charge, wait.value.needed, "copies", timeout=5))
+    assert charge.bytes == 350
+
+    async def run_again_while_another_waits() -> None:
+        queued = Charge(ledger)                 # fits only if this one shrinks
+        waiting = asyncio.ensure_future(ledger.wait_for(queued, 700, "queued", timeout=5))
+        await asyncio.sleep(0.01)
+        try:
+            hook()                              # run again: no shrink, no second wait
+            assert charge.bytes == 350 and cost.estimate.held_bytes == 350 and queued.bytes == 0
+        finally:
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+
+    asyncio.run(run_again_while_another_waits())

@@ -185,3 +185,11 @@ def test_a_model_without_fields_has_no_query_parameters():
         pass
 
     assert query_parameters(Empty) == []
+
+
+def test_a_long_unknown_key_is_named_short_in_the_422():
+    class Model(Params):
+        steps: int = 1
+    with pytest.raises(ApiError) as err:
+        validate(Model, {"k" * 5_000_000: 1, "z" * 5_000_000: 2})
+    assert err.value.status == 422 and len(err.value.message) < 400 and "kkk" in err.value.message

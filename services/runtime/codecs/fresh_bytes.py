@@ -33,6 +33,7 @@ class FreshBytes:
         self.size = 0
         self._data: bytes | str | None = self._new(size)
         raw = (ctypes.c_char * size).from_address(self._address(self._data))
+        raw.owner = self._data  # a view of it (written()) keeps the object alive, even past take()
         self._view: memoryview | None = memoryview(raw).cast("B")
 
     @staticmethod
@@ -67,9 +68,10 @@ class FreshBytes:
             self.size += n
 
     def written(self) -> memoryview:
-        """What was written so far (read it before take())."""
-        assert self._view is not None
-        return self._view[:self.size]
+        """What was written so far, read-only (the object it shows is handed out by take())."""
+        if self._view is None:
+            raise ValueError("taken already")
+        return self._view[:self.size].toreadonly()
 
     def take(self) -> Any:
         """The object, once every byte was written (ValueError otherwise)."""

@@ -7,7 +7,8 @@ cut out of the document, and put back into the parsed result; json.loads only se
 left, a few hundred bytes. A string is cut out only when the result is certain to be what
 json.loads gives: at least ``BIG_STRING`` long, no backslash, only base64 characters after an
 optional ``data:...,`` prefix, and a value (not a key). Anything else (escapes, keys, a
-document that is not JSON) goes to json.loads as it is, which then answers as it always did.
+document that is not JSON, one in UTF-16 or UTF-32) goes to json.loads as it is, which then
+answers as it always did.
 """
 
 from __future__ import annotations
@@ -131,9 +132,16 @@ def _put_back(doc: Any, bigs: dict[str, str]) -> Any:
 MAX_STRINGS = 20_000        # strings scanned before the big ones; past that, json.loads it all
 
 
+def _is_utf8(body: bytes) -> bool:
+    """Whether json.loads reads these bytes as UTF-8. It reads UTF-16 and UTF-32 too (told by
+    the zero bytes of the first four): there a quote byte and base64 bytes can be halves of
+    other characters, and an ASCII placeholder spliced in would be read as garbage."""
+    return json.detect_encoding(body[:4]) in ("utf-8", "utf-8-sig")
+
+
 def loads(body: bytes, max_strings: int = MAX_STRINGS, **kwargs: Any) -> Any:
     """json.loads(body, **kwargs), with the big base64 strings cut out first (see above)."""
-    split = split_big_strings(body, max_strings) if len(body) >= BIG_STRING else None
+    split = split_big_strings(body, max_strings) if len(body) >= BIG_STRING and _is_utf8(body) else None
     if split is None:
         return in_lane(len(body), json.loads, body, **kwargs)
     skeleton, texts = split

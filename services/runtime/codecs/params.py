@@ -83,10 +83,21 @@ class Params(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
+# A field's name as an error message quotes it: a client's key may be megabytes long (an
+# unknown key is named in the 422), and the answer should not echo it whole.
+MAX_NAME_CHARS = 120
+
+
+def field_path(loc: tuple[Any, ...] | list[Any], default: str = "body") -> str:
+    """A validation error's location ("init_images.0"), cut short when a client's key is long."""
+    where = ".".join(str(p)[:MAX_NAME_CHARS + 1] for p in loc) or default
+    return where if len(where) <= MAX_NAME_CHARS else where[:MAX_NAME_CHARS] + "..."
+
+
 def describe(exc: ValidationError, limit: int = 5) -> str:
     msgs = []
     for e in exc.errors()[:limit]:
-        where = ".".join(str(p) for p in e["loc"]) or "body"
+        where = field_path(e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         msgs.append(f"{where}: {msg}")
     return "; ".join(msgs)

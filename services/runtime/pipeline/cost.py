@@ -144,11 +144,14 @@ class RequestCost:
                            f"text and pictures copied out of it); one request may hold "
                            f"{mib(budgets.request_bytes)}: send a smaller body (a picture as raw bytes or "
                            f"multipart costs less than base64 in JSON)")
-        self.charge.hold(held, "the body's contents", wait=True)
+        # counted before the hold: when it waits its turn (MemoryWait) the pipeline grants it
+        # and runs the hook again, whose cost check must then count the copies, not shrink
+        # the holding back to the body alone (and wait again to grow it)
         self.body_copies = extra
         self.body_bytes += grow
         if self.estimate is not None:
             self.estimate = CostEstimate(**{**self.estimate.as_dict(), "held_bytes": held})
+        self.charge.hold(held, "the body's contents", wait=True)
 
     def check(self, *, items: int = 1, item_pixels: int | Iterable[int] = 0, input_pixels: int = 0,
               output_pixels: int = 0, output_bytes: int | None = None, base64_output: bool = False,
