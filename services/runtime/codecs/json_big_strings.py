@@ -59,10 +59,8 @@ def _string_end(body: bytes, start: int, quotes_left: list[int]) -> int:
         e = in_lane(len(body) - j, body.find, b'"', j)
         if e < 0:
             return -1
-        k = e - 1
-        while k >= start and body[k] == 0x5C and e - 1 - k < MAX_BACKSLASH_RUN:
-            k -= 1
-        run = e - 1 - k
+        before = bytes(body[max(start, e - MAX_BACKSLASH_RUN):e])
+        run = len(before) - len(before.rstrip(b"\\"))  # the backslashes just before it, counted in C
         if run >= MAX_BACKSLASH_RUN:
             return -1
         if run % 2 == 0:
