@@ -290,9 +290,5 @@ def _encode_extras(img: Image.Image, fmt: str, quality: int, parameters: str | N
     """As the webui saves an extras result: the source's infotext kept, the postprocessing added."""
     if fmt != "png":
         return webui_infotext.encode_picture(img, fmt, quality, parameters)
-    import numpy as np
-    texts = {key: value.encode("utf-8", "replace").decode()
-             for key, value in (("parameters", parameters), ("postprocessing", postprocessing)) if value}
-    data, _ = onecard.encode_image(np.asarray(img.convert("RGB")), "png")
-    return str(onecard.encode_base64(webui_infotext.png_with_text(data, texts)))
-
+    return webui_infotext.encode_png(img, {key: value for key, value in (("parameters", parameters),
+                                                                          ("postprocessing", postprocessing)) if value})

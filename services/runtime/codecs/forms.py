@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.runtime.codecs import json_big_strings
-from services.runtime.codecs.fresh_bytes import FreshBytes
-from services.runtime.codecs.gil_lane import in_lane, lane
+from services.runtime.codecs.fresh_bytes import joined
+from services.runtime.codecs.gil_lane import lane
 from services.runtime.errors import ApiError
 
 
@@ -152,17 +152,11 @@ def parse_multipart(body: bytes, content_type_header: str, max_fields: int) -> d
 
 
 def _joined(pieces: list[bytes]) -> bytes:
-    """A part's pieces (a slice of the body at most each) as one object, written in place
-    piece by piece: no join of megabytes with the GIL held."""
+    """A part's pieces (a slice of the body at most each) as one object: no join of
+    megabytes with the GIL held."""
     if len(pieces) <= 1:
         return pieces[0] if pieces else b""
-    size = sum(map(len, pieces))
-    if size < 2:
-        return b"".join(pieces)
-    out = FreshBytes(size)
-    for piece in pieces:
-        in_lane(len(piece), out.write, piece)
-    return out.take()
+    return joined(pieces, sum(map(len, pieces)))
 
 
 def text_fields(parts: dict[str, Part], skip: tuple[str, ...]) -> dict[str, str]:

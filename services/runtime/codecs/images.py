@@ -26,8 +26,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from services.runtime.codecs import jpeg
 from services.runtime.codecs import png_bmp as formats
 from services.runtime.codecs.encoder_limits import check_encodable
-from services.runtime.codecs.fresh_bytes import FreshBytes
-from services.runtime.codecs.gil_lane import lane
+from services.runtime.codecs.fresh_bytes import joined
 from services.runtime.errors import ApiError
 
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP")
@@ -269,11 +268,7 @@ def array_bytes(array: np.ndarray) -> bytes:
     flat = memoryview(np.ascontiguousarray(array).reshape(-1)).cast("B")
     if len(flat) < 1 << 20:
         return flat.tobytes()
-    out = FreshBytes(len(flat))
-    for i in range(0, len(flat), ENCODED_COPY_SLICE):
-        with lane():
-            out.write(flat[i:i + ENCODED_COPY_SLICE])
-    return out.take()
+    return joined([flat[i:i + ENCODED_COPY_SLICE] for i in range(0, len(flat), ENCODED_COPY_SLICE)], len(flat))
 
 
 ENCODED_COPY_SLICE = 1 << 20
