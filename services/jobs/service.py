@@ -25,6 +25,7 @@ from services.jobs.settings import JobsSettings
 from services.jobs.targets import ResultTooLarge, Target, TargetTimeout, TargetUnreachable, unit_services
 from services.runtime.codecs.gil_lane import LANE_MIN_BYTES
 from services.runtime.errors import ApiError
+from services.runtime.pipeline.cpu_pool import release_on
 from services.runtime.shell.heap import freeze_startup_heap
 
 log = logging.getLogger("onecard.jobs")
@@ -246,10 +247,7 @@ class JobsService:
     def release(self, garbage: list) -> None:
         """Let big objects go on a worker thread (see CpuPool.release): freeing 30 MB hands
         its pages back to the system, 2 to 3 ms the loop would spend."""
-        try:
-            self.executor.submit(garbage.clear)
-        except RuntimeError:  # shut down
-            garbage.clear()
+        release_on(self.executor, garbage)
 
     async def cpu(self, size: int, fn: Callable, *args: Any) -> Any:
         if size < INLINE_BYTES:

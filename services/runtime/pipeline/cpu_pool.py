@@ -33,13 +33,18 @@ class CpuPool:
         loop: freeing them hands their pages back to the system (munmap, tens of MB a request),
         and after one batch of eight 20 MB JSON uploads the loop spent 40-80 ms doing it in a
         row while the probes waited. The caller keeps no other reference."""
-        try:
-            self._pool.submit(_clear, garbage)
-        except RuntimeError:  # shut down: here then
-            garbage.clear()
+        release_on(self._pool, garbage)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def release_on(executor: concurrent.futures.Executor, garbage: list) -> None:
+    """Empty `garbage` on one of `executor`'s threads, in the GIL lane (see CpuPool.release)."""
+    try:
+        executor.submit(_clear, garbage)
+    except RuntimeError:  # shut down: here then
+        garbage.clear()
 
 
 def _clear(garbage: list) -> None:
