@@ -45,7 +45,6 @@ class BodyBuffer:
     bytearray copied once at the end."""
 
     def __init__(self, expected: int | None):
-        self.size = 0
         self._direct: FreshBytes | None = None
         self._grown = bytearray()
         if expected is not None and expected >= DIRECT_MIN_BYTES:
@@ -61,7 +60,10 @@ class BodyBuffer:
             self._direct.write(piece)
         else:
             self._grown += piece
-        self.size += len(piece)
+
+    @property
+    def size(self) -> int:
+        return self._direct.size if self._direct is not None else len(self._grown)
 
     def before(self) -> memoryview | bytearray:
         return self._direct.written() if self._direct is not None else self._grown
