@@ -23,9 +23,8 @@ from services.jobs.records import TERMINAL
 from services.jobs.registry import Registry
 from services.jobs.settings import JobsSettings
 from services.jobs.targets import ResultTooLarge, Target, TargetTimeout, TargetUnreachable, unit_services
-from services.runtime.codecs.gil_lane import LANE_MIN_BYTES
+from services.runtime.codecs.gil_lane import LANE_MIN_BYTES, release_on
 from services.runtime.errors import ApiError
-from services.runtime.pipeline.cpu_pool import release_on
 from services.runtime.shell.heap import freeze_startup_heap
 
 log = logging.getLogger("onecard.jobs")

@@ -8,7 +8,7 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import Any
 
-from services.runtime.codecs.gil_lane import lane
+from services.runtime.codecs.gil_lane import release_on
 from services.runtime.device.threads import lower_priority
 
 
@@ -37,16 +37,3 @@ class CpuPool:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def release_on(executor: concurrent.futures.Executor, garbage: list) -> None:
-    """Empty `garbage` on one of `executor`'s threads, in the GIL lane (see CpuPool.release)."""
-    try:
-        executor.submit(_clear, garbage)
-    except RuntimeError:  # shut down: here then
-        garbage.clear()
-
-
-def _clear(garbage: list) -> None:
-    with lane():
-        garbage.clear()
