@@ -4,6 +4,9 @@ design (one process, both routes behind one shared single-thread executor). Also
 img2img throughput served vs its bare backend.
 
     .venv/bin/python -m bench.isolation_bench [--duration 20]
+    .venv/bin/python -m bench.isolation_bench --gpu    # both on one CUDA card: CenterFace on
+        # onnxruntime's CUDA provider beside SD-1.5-architecture fp16 img2img (random weights),
+        # time-sliced, then under MPS when its binaries are there
 
 Targets (issue 5): detect p99 under img2img load <= 1.5x detect p99 alone, and >= 5x
 better than the naive baseline's; img2img served/bare throughput >= 0.95.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -28,6 +32,9 @@ from tests.harness import SupervisorRun, free_port
 DETECT = {"backend": "centerface", "max_side": 320}
 IMG2IMG = {"backend": "style", "max_side": 512}
 PNG = {"content-type": "image/png"}
+GPU_DETECT = {"backend": "centerface", "max_side": 640, "device": "cuda"}
+GPU_IMG2IMG = {"backend": "diffusers", "max_side": 512, "device": "cuda", "dtype": "float16", "scheduler": "ddim",
+               "max_batch_size": 8, "max_queue": 64, "request_timeout_s": 600}
 
 
 async def detect_with_load(detect_url: str, img2img_url: str | None, duration: float, img2img_conc: int) -> dict:
@@ -58,6 +65,49 @@ def onecard_run(duration: float, conc: int) -> dict:
         run.wait_ready(timeout=300)
         return measure(f"http://127.0.0.1:{detect['port']}/api/v1/facedetect",
                        f"http://127.0.0.1:{img2img['port']}/api/v1/img2img?style=3", duration, conc)
+
+
+def gpu_run(duration: float, conc: int, model: Path, mps: bool) -> dict:
+    """detect alone, then beside img2img kept busy by `conc` clients, both on the card."""
+    tmp = Path(tempfile.mkdtemp(prefix="onecard-iso-gpu-"))
+    detect = {"app": "services.detect.app:create_app", "port": free_port(), "threads": 2,
+              "gpu_memory_fraction": 0.15, "settings": {**GPU_DETECT}}
+    img2img = {"app": "services.img2img.app:create_app", "port": free_port(), "threads": 2,
+               "gpu_memory_fraction": 0.75, "settings": {**GPU_IMG2IMG, "model_path": str(model)}}
+    with SupervisorRun(tmp, {"detect": detect, "img2img": img2img}, gpu={"mps": mps}, liveness_period_s=5.0,
+                       startup_timeout_s=300.0) as run:
+        doc = run.wait_ready(timeout=300)
+        out = measure(f"http://127.0.0.1:{detect['port']}/api/v1/facedetect",
+                      f"http://127.0.0.1:{img2img['port']}/api/v1/img2img?steps=20&strength=0.75&prompt=a+photo",
+                      duration, conc)
+        out["mps"] = doc.get("mps")
+        return out
+
+
+def gpu_main(args) -> int:
+    from bench.img2img_bench import sd15_random
+    model = Path(args.sd15) if args.sd15 else sd15_random(Path(tempfile.mkdtemp(prefix="onecard-iso-sd15-")) / "sd15")
+    runs = {"time_sliced": gpu_run(args.duration, args.img2img_concurrency, model, mps=False)}
+    if shutil.which("nvidia-cuda-mps-control"):
+        runs["mps"] = gpu_run(args.duration, args.img2img_concurrency, model, mps=True)
+    rows = []
+    for name, doc in runs.items():
+        for which in ("alone", "loaded"):
+            d = doc[which]["detect"]
+            i = doc[which].get("img2img", {})
+            rows.append((name, "detect alone" if which == "alone" else "detect + img2img saturated",
+                         d["p50_ms"], d["p95_ms"], d["p99_ms"], d["throughput_rps"], i.get("throughput_rps", "-"),
+                         {**d["statuses"], **({"img2img": i["statuses"]} if i else {})}))
+    ratios = {name: doc["loaded"]["detect"]["p99_ms"] / doc["alone"]["detect"]["p99_ms"] for name, doc in runs.items()}
+    doc = {"duration_s": args.duration, "img2img_concurrency": args.img2img_concurrency, "detect": GPU_DETECT,
+           "img2img": GPU_IMG2IMG, "runs": runs, "detect_p99_loaded_over_alone": ratios,
+           "mps_binaries": shutil.which("nvidia-cuda-mps-control") is not None}
+    path = write_result("isolation-gpu", doc)
+    print(table(rows, ("sharing", "scenario", "p50 ms", "p95 ms", "p99 ms", "detect rps", "img2img rps", "statuses")))
+    for name, r in ratios.items():
+        print(f"{name}: detect p99 loaded / alone {r:.2f}")
+    print(f"written: {path}")
+    return 0
 
 
 def naive_run(duration: float, conc: int) -> dict:
@@ -117,7 +167,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--duration", type=float, default=20.0)
     ap.add_argument("--img2img-concurrency", type=int, default=2)
+    ap.add_argument("--gpu", action="store_true", help="both services on CUDA (see the module's docstring)")
+    ap.add_argument("--sd15", default="", help="with --gpu: an SD-1.5 pipeline folder (default: random weights)")
     args = ap.parse_args()
+    if args.gpu:
+        return gpu_main(args)
     ours = onecard_run(args.duration, args.img2img_concurrency)
     naive = naive_run(args.duration, args.img2img_concurrency)
     thr = img2img_throughput(args.duration, args.img2img_concurrency)

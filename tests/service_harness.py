@@ -27,7 +27,9 @@ class ServiceProcess:
         weakref.finalize(self, shutil.rmtree, self._sock_dir, True)
         self.probe_socket = os.path.join(self._sock_dir, "probe.sock")
         self.instance = f"test-{self.port}"
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "ONECARD_SERVICE_APP": app,
+        path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+        self.env = {**os.environ, "PYTHONPATH": path,
+                    "ONECARD_SERVICE_APP": app,
                     "ONECARD_PROBE_SOCKET": self.probe_socket, "ONECARD_INSTANCE_TOKEN": self.instance,
                     "ONECARD_SERVICE_NAME": "svc", "ONECARD_SERVICE_HOST": "127.0.0.1",
                     "ONECARD_SERVICE_PORT": str(self.port), "ONECARD_SERVICE_THREADS": str(threads),

@@ -9,8 +9,13 @@ accordingly, never NVML's device 0 by default.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 from typing import Any
+
+log = logging.getLogger("onecard.gpu")
 
 
 def _nvml_handle(nvml: Any) -> Any:
@@ -51,11 +56,31 @@ def budget_bytes(total: int | None = None) -> int | None:
     return None
 
 
+def preload_cuda_libraries(ort: Any) -> None:
+    """Load CUDA and cuDNN from the nvidia-* wheels beside onnxruntime-gpu (the ones torch
+    uses too). Its CUDA provider has no RUNPATH: without this, a pip install runs on the
+    CPU unless LD_LIBRARY_PATH happens to name those folders. onnxruntime prints what
+    failed; it goes to the log instead."""
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is None:
+        return
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said):
+            preload()
+    except Exception as exc:  # noqa: BLE001 - the session check below says what runs where
+        log.warning("onnxruntime could not preload the CUDA libraries: %s", exc)
+    if said.getvalue().strip():
+        log.warning("onnxruntime preloading the CUDA libraries: %s", " ".join(said.getvalue().split())[:500])
+
+
 def ort_providers(device: str, available: list[str] | None = None) -> list[Any]:
     """onnxruntime providers for 'auto', 'cpu' or 'cuda', with the CUDA arena capped."""
     if available is None:
         import onnxruntime as ort
         available = ort.get_available_providers()
+        if device in ("auto", "cuda") and "CUDAExecutionProvider" in available:
+            preload_cuda_libraries(ort)
     want_cuda = device in ("auto", "cuda") and "CUDAExecutionProvider" in available
     if device == "cuda" and not want_cuda:
         raise RuntimeError("device 'cuda' asked for, but this onnxruntime build has no CUDAExecutionProvider "
