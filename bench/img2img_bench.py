@@ -21,11 +21,13 @@ import argparse
 import asyncio
 import http.client
 import io
+import json
 import os
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +62,13 @@ def sd15_random(path: Path) -> Path:
                                           requires_safety_checker=False)
     pipe.save_pretrained(str(path))
     return path
+
+
+def batching_now(url: str) -> dict:
+    """The service's cumulative batching figures (/stats): calls, items run, time waited."""
+    b = json.loads(urllib.request.urlopen(url + "/stats", timeout=30).read())["batching"]
+    return {"batches": b["batches"], "items": (b["mean_batch_size"] or 0) * b["batches"],
+            "waited_s": b["waited_s"], "cost": b["cost"]}
 
 
 class HealthPoller:
@@ -166,6 +175,7 @@ def main() -> int:
             call = bare_batch(batch)
             call(0)  # warm
             bare_s, bare_n, served_ok, served_s = 0.0, 0, 0, 0.0
+            before = batching_now(svc.url)
             with HealthPoller(svc.port, svc.probe_socket) as health:
                 for _ in range(2):  # interleaved rounds
                     lat = timed_loop(call, args.duration / 2, min_runs=2)
@@ -177,17 +187,25 @@ def main() -> int:
                     served_s += res.elapsed_s
             bare_ips, served_ips = bare_n / bare_s, served_ok / served_s
             h = health.summary()
+            after = batching_now(svc.url)
+            calls = after["batches"] - before["batches"]
+            mean_batch = (after["items"] - before["items"]) / calls if calls else None
             doc["by_concurrency"][str(c)] = {"bare_images_per_s": round(bare_ips, 3), "bare_batch": batch,
                                              "served_images_per_s": round(served_ips, 3),
-                                             "served_over_bare": round(served_ips / bare_ips, 3), "healthz": h}
+                                             "served_over_bare": round(served_ips / bare_ips, 3), "healthz": h,
+                                             "served_calls": calls, "served_mean_batch": mean_batch,
+                                             "waited_s": round(after["waited_s"] - before["waited_s"], 3)}
             rows.append((c, batch, f"{bare_ips:.2f}", f"{served_ips:.2f}", f"{served_ips / bare_ips:.2f}",
+                         "-" if mean_batch is None else f"{mean_batch:.2f}",
                          f"{h['public_p50_ms']} / {h['public_p99_ms']}", f"{h['probe_p50_ms']} / {h['probe_p99_ms']}",
                          h["failures"]))
+        doc["cost_model"] = batching_now(svc.url)["cost"]
         idle = HealthPoller(svc.port, svc.probe_socket)
         with idle:
             time.sleep(3)
         doc["healthz_idle"] = idle.summary()
-    print(table(rows, ("concurrency", "bare batch", "bare img/s", "served img/s", "served/bare",
+    print("cost model:", json.dumps(doc["cost_model"]))
+    print(table(rows, ("concurrency", "bare batch", "bare img/s", "served img/s", "served/bare", "served batch",
                        "/healthz p50/p99 ms", "probe p50/p99 ms", "health failures")))
     print(f"idle /healthz p50/p99: {doc['healthz_idle']['public_p50_ms']} / {doc['healthz_idle']['public_p99_ms']} ms")
     print("written:", write_result("img2img", doc))

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import statistics
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -37,8 +39,15 @@ GPU_IMG2IMG = {"backend": "diffusers", "max_side": 512, "device": "cuda", "dtype
                "max_batch_size": 8, "max_queue": 64, "request_timeout_s": 600}
 
 
-async def detect_with_load(detect_url: str, img2img_url: str | None, duration: float, img2img_conc: int) -> dict:
-    images = bench_images()
+def gpu_images() -> list[tuple[bytes, str]]:
+    """Without insightface's group photo: the GPU image carries no insightface."""
+    from tests.images import astronaut, coffee, encode
+    return [(encode(astronaut()), "image/png"), (encode(coffee()), "image/png"), (encode(astronaut()), "image/png")]
+
+
+async def detect_with_load(detect_url: str, img2img_url: str | None, duration: float, img2img_conc: int,
+                           images: list[tuple[bytes, str]] | None = None) -> dict:
+    images = images or bench_images()
     det = run_load(detect_url, lambda i: images[i % 3][0], PNG, 1, duration_s=duration, warmup=2)
     if img2img_url is None:
         return {"detect": (await det).summary()}
@@ -50,9 +59,10 @@ async def detect_with_load(detect_url: str, img2img_url: str | None, duration: f
     return {"detect": d.summary(), "img2img": i.summary()}
 
 
-def measure(detect_url: str, img2img_url: str, duration: float, conc: int) -> dict:
-    alone = asyncio.run(detect_with_load(detect_url, None, duration, conc))
-    loaded = asyncio.run(detect_with_load(detect_url, img2img_url, duration, conc))
+def measure(detect_url: str, img2img_url: str, duration: float, conc: int,
+            images: list[tuple[bytes, str]] | None = None) -> dict:
+    alone = asyncio.run(detect_with_load(detect_url, None, duration, conc, images))
+    loaded = asyncio.run(detect_with_load(detect_url, img2img_url, duration, conc, images))
     return {"alone": alone, "loaded": loaded}
 
 
@@ -79,8 +89,11 @@ def gpu_run(duration: float, conc: int, model: Path, mps: bool) -> dict:
         doc = run.wait_ready(timeout=300)
         out = measure(f"http://127.0.0.1:{detect['port']}/api/v1/facedetect",
                       f"http://127.0.0.1:{img2img['port']}/api/v1/img2img?steps=20&strength=0.75&prompt=a+photo",
-                      duration, conc)
+                      duration, conc, gpu_images())
         out["mps"] = doc.get("mps")
+        out["stats"] = {name: json.loads(urllib.request.urlopen(f"http://127.0.0.1:{svc['port']}/stats",
+                                                                timeout=30).read())
+                        for name, svc in (("detect", detect), ("img2img", img2img))}
         return out
 
 

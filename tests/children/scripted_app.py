@@ -11,7 +11,8 @@ items, `cancellable=1` gives items a cancel event that the model checks every 50
 (like diffusion steps; stopped ids are recorded), `decode_sleep` holds the decode hook.
 
 Settings (besides the runtime's): batching (bool), warmup_sleep_s (each warm-up
-inference sleeps this long), fail_load (raise in load), memory_per_pixel (the backend's
+inference sleeps this long), warmup_oom_above (a warm-up batch of more items fails with
+onnxruntime's arena out-of-memory text), fail_load (raise in load), memory_per_pixel (the backend's
 stated memory floor: a model call is planned at this many bytes per pixel of its items;
 an item's pixels are its picture's).
 """
@@ -66,9 +67,10 @@ class Record:
 class ScriptedBackend(Backend):
     name = "scripted"
 
-    def __init__(self, batching: bool, warmup_sleep_s: float, fail_load: bool):
+    def __init__(self, batching: bool, warmup_sleep_s: float, fail_load: bool, warmup_oom_above: int = 0):
         self.supports_batching = batching
         self.warmup_sleep_s = warmup_sleep_s
+        self.warmup_oom_above = warmup_oom_above
         self.fail_load = fail_load
         self.record = Record()
 
@@ -85,6 +87,10 @@ class ScriptedBackend(Backend):
     def infer_batch(self, items: list[EchoItem]) -> list[Any]:
         ids = [i.id for i in items]
         if all(i == "warmup" for i in ids):  # warm-up, and the cost curve measured on it
+            if self.warmup_oom_above and len(ids) > self.warmup_oom_above:
+                raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running "
+                                   "Conv node. Status Message: bfc_arena.cc:360 Available memory of 41601536 is "
+                                   "smaller than requested bytes of 157286400")
             time.sleep(items[0].sleep)
             self.record.warmups += 1
             return [{"id": "warmup", "batch": len(ids)} for _ in ids]
@@ -124,9 +130,10 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
     batching = bool(settings.pop("batching", False))
     warmup_sleep_s = float(settings.pop("warmup_sleep_s", 0.0))
     fail_load = bool(settings.pop("fail_load", False))
+    warmup_oom_above = int(settings.pop("warmup_oom_above", 0))
     memory_per_pixel = float(settings.pop("memory_per_pixel", 0.0))
     cfg = ModelServiceSettings.model_validate(settings)
-    backend = ScriptedBackend(batching, warmup_sleep_s, fail_load)
+    backend = ScriptedBackend(batching, warmup_sleep_s, fail_load, warmup_oom_above)
     backend.memory_per_pixel = memory_per_pixel
 
     def decode(raw) -> Work:

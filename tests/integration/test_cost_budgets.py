@@ -172,3 +172,19 @@ def test_requests_that_do_not_fit_together_wait_their_turn_instead_of_a_503(tmp_
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             rs = list(pool.map(lambda i: post(svc, f"?id=u{i}&sleep=0.2&stated=false", body=picture), range(6)))
         assert [r.status_code for r in rs] == [200] * 6, [r.text[:200] for r in rs]
+
+
+def test_a_batch_size_that_runs_out_of_memory_at_warm_up_caps_the_batches_instead_of_failing_the_start(tmp_path):
+    """A GPU budget too small for max_batch_size items (onnxruntime's arena refusing a batch of
+    four at warm-up): the service starts, says so in /stats, and never forms that batch."""
+    settings = {"batching": True, "max_batch_size": 8, "warmup_oom_above": 2, "batch_policy": "fixed",
+                "max_wait_ms": 300}
+    with ServiceProcess(APP, settings, tmp_path) as svc:
+        stats = httpx.get(svc.url + "/stats").json()["batching"]
+        assert stats["max_batch_size"] == 2
+        assert sorted(stats["cost"]["time"]["ms_by_batch_size"]) == ["1", "2"]
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            rs = list(pool.map(lambda i: post(svc, f"?id=w{i}&sleep=0.05"), range(6)))
+        assert [r.status_code for r in rs] == [200] * 6
+        assert max(len(b) for b in seen(svc)["batches"]) == 2
+        assert seen(svc)["freed"] >= 1      # the failed warm-up call's memory was given back

@@ -71,6 +71,21 @@ def test_fp16_diffusers_runs_on_cuda_and_is_deterministic_by_seed(sd_cuda):
     assert httpx.get(sd_cuda.url + "/stats").json()["gpu_memory_bytes"] > 0
 
 
+def test_without_a_planned_budget_a_call_may_use_the_card_and_the_curve_is_taken_on_it(sd_cuda):
+    """One service on the card, no plan from the supervisor: a model call's working memory is
+    the card's (not a share of host memory, which capped SD-1.5 batches at 3 on an H200), and
+    the warm-up measured the batch curve on CUDA-sized items (128x128 here, 512 at most)."""
+    import pynvml
+    pynvml.nvmlInit()
+    try:
+        total = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total
+    finally:
+        pynvml.nvmlShutdown()
+    cost = httpx.get(sd_cuda.url + "/stats").json()["batching"]["cost"]
+    assert cost["budgets"]["batch_on_gpu"] is True and cost["budgets"]["batch_bytes"] > total // 2
+    assert sorted(cost["time"]["ms_by_batch_size"], key=int) == ["1", "2", "4", "8"]
+
+
 def test_batched_img2img_on_cuda_matches_solo_by_seed(sd_cuda):
     queries = [f"?seed={s}&steps=8&strength=0.8&prompt=p{s}" for s in (5, 6, 7, 8)]
     solo = [_post(sd_cuda, q, _png(128)).content for q in queries]

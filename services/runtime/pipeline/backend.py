@@ -64,10 +64,16 @@ class Backend:
         return None
 
 
+# how torch, onnxruntime (its arena: "Available memory of N is smaller than requested bytes
+# of M"), CUDA and cuDNN say that an allocation failed
+OUT_OF_MEMORY_MARKS = ("out of memory", "failed to allocate memory", "smaller than requested bytes",
+                       "cudaerrormemoryallocation", "cudnn_status_alloc_failed", "cublas_status_alloc_failed")
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     import sys
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(exc, getattr(torch.cuda, "OutOfMemoryError", ())):
         return True
     text = str(exc).lower()
-    return "out of memory" in text or "failed to allocate memory" in text
+    return any(mark in text for mark in OUT_OF_MEMORY_MARKS)

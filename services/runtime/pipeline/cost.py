@@ -93,6 +93,12 @@ class ServiceCost:
     def call_bytes(self, pixels: int) -> int:
         return self.memory.call_bytes(pixels)
 
+    @property
+    def call_on_gpu(self) -> bool:
+        """Whether a call's working memory is on the card: trimming the host heap after it
+        would only stall the model (malloc_trim on the worker: tens of ms a call)."""
+        return self.budgets is not None and self.budgets.batch_on_gpu
+
     def call_fits(self, pixels: int) -> bool:
         """Whether one model call on items of `pixels` in all fits its working memory."""
         return self.budgets is None or self.call_bytes(pixels) <= self.budgets.batch_bytes

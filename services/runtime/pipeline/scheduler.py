@@ -66,6 +66,19 @@ class Scheduler:
         self.items_run = 0
         self.waited_s = 0.0
 
+    def limit_batch(self, size: int) -> None:
+        """At most `size` items per call from now on: warm-up found that a bigger batch runs
+        out of memory (see warmup.py). Set before the loop starts."""
+        if size >= self.max_batch:
+            return
+        log.warning("batches limited to %d item(s) (max_batch_size %d): a bigger one ran out of memory at warm-up",
+                    max(1, size), self.max_batch)
+        self.max_batch = max(1, size)
+        self.batching = self.max_batch > 1
+        self.cost.curve.max_batch = self.max_batch
+        self.policy = None if not self.batching or self.policy is None else BatchPolicy(self.max_batch,
+                                                                                        self.policy.cap_s)
+
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
         self._free_since = time.perf_counter()
@@ -360,7 +373,7 @@ class Scheduler:
                     if is_out_of_memory(exc):
                         self._free_memory(exc)
                     results = [await self._infer_alone(p) for p in payloads]
-            if self.cost.call_bytes(pixels) >= TRIM_AFTER_BYTES:
+            if self.cost.call_bytes(pixels) >= TRIM_AFTER_BYTES and not self.cost.call_on_gpu:
                 await self.worker.run(memory.trim_heap, tracked=False)
             return [self._out_of_memory(r) if isinstance(r, BaseException) and is_out_of_memory(r) else r
                     for r in results]

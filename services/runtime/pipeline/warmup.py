@@ -13,9 +13,11 @@ import logging
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from common import hostmemory as memory
+from services.runtime.pipeline.backend import is_out_of_memory
 from services.runtime.pipeline.cost import ServiceCost
 
 log = logging.getLogger("onecard.service")
@@ -88,36 +90,71 @@ def _check(results: list) -> None:
         raise RuntimeError(f"warm-up inference failed: {failed[0]!r}")
 
 
-async def warm_up(backend: Any, run_on_worker: Callable, cost: ServiceCost, runs: int, max_batch: int) -> int:
-    """Warm the model and measure its curves; the number of inferences it took."""
+def _out_of_memory(exc: BaseException, backend: Any, size: int) -> bool:
+    """True (and the memory freed) when a warm-up call of `size` items ran out of memory."""
+    if not is_out_of_memory(exc):
+        return False
+    log.warning("warm-up: a call of %d item(s) ran out of memory (%s); larger batches are not run", size,
+                str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__)
+    try:
+        backend.on_out_of_memory()
+    except Exception:  # noqa: BLE001 - the next call says whether memory came back
+        log.exception("freeing memory after out-of-memory failed")
+    return True
+
+
+@dataclass
+class WarmUp:
+    inferences: int = 0
+    max_batch: int = 1      # the largest batch that ran; a bigger one ran out of memory or was not tried
+
+
+async def warm_up(backend: Any, run_on_worker: Callable, cost: ServiceCost, runs: int, max_batch: int) -> WarmUp:
+    """Warm the model and measure its curves. A batch size that runs out of memory (a GPU
+    budget smaller than ``max_batch_size`` items need) ends the climb: the service then
+    serves batches up to the last size that ran, instead of failing every full batch later
+    (or not starting at all)."""
     items = list(backend.warmup_items())
+    out = WarmUp(max_batch=max_batch)
     if not items or runs <= 0:
-        return 0
-    done = 0
+        return out
     for _ in range(runs):
-        results = await run_on_worker(backend.infer_batch, items)
-        _check(results)
-        done += len(items)
+        try:
+            _check(await run_on_worker(backend.infer_batch, items))
+        except Exception as exc:
+            if len(items) == 1 or not _out_of_memory(exc, backend, len(items)):
+                raise
+            items = items[:1]
+            _check(await run_on_worker(backend.infer_batch, items))
+        out.inferences += len(items)
     cost.reference_work = sum(cost.item_work(i) for i in items) / len(items)
     probe = PeakProbe.for_backend(backend)
     samples: list[tuple[int, int]] = []
+    fitted = 1
     for size in batch_sizes(max_batch):
         batch = [items[i % len(items)] for i in range(size)]
         best = None
         peak_max = None
-        for _ in range(2):
-            results, seconds, peak = await run_on_worker(measured_call, backend.infer_batch, batch, probe)
-            _check(results)
-            done += size
-            best = seconds if best is None else min(best, seconds)
-            if peak is not None:
-                peak_max = peak if peak_max is None else max(peak_max, peak)
+        try:
+            for _ in range(2):
+                results, seconds, peak = await run_on_worker(measured_call, backend.infer_batch, batch, probe)
+                _check(results)
+                out.inferences += size
+                best = seconds if best is None else min(best, seconds)
+                if peak is not None:
+                    peak_max = peak if peak_max is None else max(peak_max, peak)
+        except Exception as exc:
+            if size == 1 or not _out_of_memory(exc, backend, size):
+                raise
+            break
+        fitted = size
         cost.curve.replace(size, best / cost.work_ratio(batch))
         if peak_max is not None:
             samples.append((sum(cost.item_pixels(i) for i in batch), peak_max))
+    out.max_batch = fitted
     if samples:
         cost.memory.fit(samples)
     cost.probe = probe
     memory.trim_heap()
     log.info("cost model: %s", {"time": cost.curve.snapshot(), "memory": cost.memory.snapshot()})
-    return done
+    return out

@@ -86,8 +86,9 @@ class ModelPart(ServicePart):
         self.load_s = time.perf_counter() - t0
         apply_threads(self.threads)  # again: loading may have imported torch
         t1 = time.perf_counter()
-        self.warmup_inferences = await warm_up(backend, worker.run, scheduler.cost, settings.warmup_runs,
-                                               scheduler.max_batch)
+        warm = await warm_up(backend, worker.run, scheduler.cost, settings.warmup_runs, scheduler.max_batch)
+        self.warmup_inferences = warm.inferences
+        scheduler.limit_batch(warm.max_batch)
         self.warmup_s = time.perf_counter() - t1
         await pipeline.cpu.run(self._plan_budgets)
         self.frozen_objects = await pipeline.cpu.run(freeze_startup_heap)  # before ready: it holds the GIL
@@ -118,7 +119,9 @@ class ModelPart(ServicePart):
         baseline = host_memory.resident_bytes() or 0
         gpu_call = None
         if str(getattr(self.backend, "device", "")) == "cuda":
-            card = device_gpu.budget_bytes()
+            # no plan from the supervisor (one service on the card): the whole card; a call
+            # that finds it taken is answered 503 out_of_memory, not planned against host memory
+            card = device_gpu.budget_bytes() or device_gpu.total_gpu_memory()
             held_on_card = self._gpu_memory() or 0
             if card:
                 gpu_call = max(0, card - held_on_card)
