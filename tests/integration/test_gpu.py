@@ -55,7 +55,8 @@ def sd_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sd_cuda(sd_dir, tmp_path_factory):
     settings = {"backend": "diffusers", "model_path": str(sd_dir), "max_side": 128, "device": "cuda",
-                "dtype": "float16", "scheduler": "ddim", "max_batch_size": 8, "request_timeout_s": 120}
+                "dtype": "float16", "scheduler": "ddim", "max_batch_size": 8, "request_timeout_s": 120,
+                "max_steps": 1000}  # the batching test holds the model with a 900-step request
     with ServiceProcess(IMG2IMG, settings, tmp_path_factory.mktemp("gpu-sdsvc"), threads=2) as svc:
         yield svc
 
@@ -114,20 +115,39 @@ def test_batched_img2img_on_cuda_matches_solo_by_seed(sd_cuda):
         assert diff.mean() < 1.5 and diff.max() <= 32, (diff.mean(), diff.max())
 
 
-def test_torch_budget_is_applied_and_a_real_out_of_memory_is_503_then_the_next_request_works(sd_dir, tmp_path):
+def test_torch_budget_is_applied_and_what_cannot_fit_is_413_before_decoding(sd_dir, tmp_path):
+    """The budget is torch's per-process fraction, and the cost model plans calls inside it: a
+    4096x4096 picture is refused with the figures before it is decoded (it would need far
+    more than 192 MiB on the card)."""
     settings = {"backend": "diffusers", "model_path": str(sd_dir), "max_side": 4096, "device": "cuda",
                 "dtype": "float16", "scheduler": "ddim", "max_pixels": 100_000_000}
     budget = 192 * 2**20
     with ServiceProcess(IMG2IMG, settings, tmp_path, env={"ONECARD_GPU_MEMORY_BYTES": str(budget)}) as svc:
         info = httpx.get(svc.url + "/info").json()
         assert info["gpu_memory_budget_bytes"] == budget and 0 < info["gpu_memory_fraction"] < 0.05
-        huge = encode(np.asarray(Image.fromarray(astronaut()).resize((4096, 4096))), "JPEG", quality=80)
-        big = httpx.post(f"{svc.url}/api/v1/img2img?seed=1&steps=2&strength=1", content=huge,
-                         headers={"content-type": "image/jpeg"}, timeout=300)  # far more memory than the budget
-        assert big.status_code == 503 and big.json()["error"]["code"] == "out_of_memory"
+        big = httpx.post(f"{svc.url}/api/v1/img2img?seed=1&steps=2&strength=1", content=_huge_jpeg(),
+                         headers={"content-type": "image/jpeg"}, timeout=300)
+        assert big.status_code == 413 and big.json()["error"]["code"] == "too_costly", big.text
+        assert _post(svc, "?seed=1&steps=2&strength=0.5", _png(64)).status_code == 200
+
+
+def test_a_real_out_of_memory_is_503_then_the_next_request_works(sd_dir, tmp_path):
+    """An operator's max_call_memory_bytes far above torch's budget lets the picture through
+    the plan, so the card really runs out: 503 with Retry-After, then the service serves on."""
+    settings = {"backend": "diffusers", "model_path": str(sd_dir), "max_side": 4096, "device": "cuda",
+                "dtype": "float16", "scheduler": "ddim", "max_pixels": 100_000_000,
+                "max_call_memory_bytes": 2**40}
+    with ServiceProcess(IMG2IMG, settings, tmp_path, env={"ONECARD_GPU_MEMORY_BYTES": str(192 * 2**20)}) as svc:
+        big = httpx.post(f"{svc.url}/api/v1/img2img?seed=1&steps=2&strength=1", content=_huge_jpeg(),
+                         headers={"content-type": "image/jpeg"}, timeout=300)
+        assert big.status_code == 503 and big.json()["error"]["code"] == "out_of_memory", big.text
         assert "retry-after" in big.headers
         assert _post(svc, "?seed=1&steps=2&strength=0.5", _png(64)).status_code == 200
         assert httpx.get(svc.url + "/healthz").status_code == 200
+
+
+def _huge_jpeg() -> bytes:
+    return encode(np.asarray(Image.fromarray(astronaut()).resize((4096, 4096))), "JPEG", quality=80)
 
 
 def test_detect_runs_on_the_cuda_provider_with_its_arena_capped(tmp_path):

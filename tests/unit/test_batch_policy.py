@@ -204,3 +204,24 @@ def test_long_after_the_model_freed_up_past_cycles_say_nothing():
     policy.history.model_freed(t, 4)
     policy.history.arrived(t + 2.0, 1, "k")
     assert policy.decide(t + 2.0, 1, "k", 2.0, 0.0, [], seconds_of(c)).wait_s == 0.0
+
+
+def test_one_slow_call_of_a_rare_size_does_not_make_full_batches_look_dear():
+    """The H200 run: warm-up measured 1, 2, 4, 8 at 561, 492, 731, 1160 ms, the live calls
+    were mostly 4s, and one call of 7 took 1470 ms. Lifting every bigger size to that one call
+    made 8 cost more than two calls of 4; 8 clients then ran as two halves for good. Pooled
+    with its neighbours, a call of 8 stays the bargain it is, and the policy waits for the
+    half whose answers just went out."""
+    c = BatchCurve(8)
+    for size, ms in ((1, 561), (2, 492), (4, 731), (8, 1160)):
+        c.replace(size, ms / 1000)
+    for _ in range(12):
+        c.observe(4, 0.731)
+    c.observe(8, 1.16)
+    c.observe(7, 1.47)
+    assert c.seconds(8) < 2 * c.seconds(4)
+    assert all(c.seconds(n) <= c.seconds(n + 1) for n in range(1, 8))
+    policy = BatchPolicy(8, None)
+    t = closed_loop(policy, 4, 0.03, 0.76)
+    d = policy.decide(t, 4, "k", 0.0, 0.0, [], seconds_of(c))
+    assert d.wait_s == pytest.approx(0.03, abs=0.002) and d.expected_items == pytest.approx(8)

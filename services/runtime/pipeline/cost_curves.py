@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 EWMA_ALPHA = 0.2
+CURVE_WEIGHT_CAP = 20  # calls beyond this do not make a size's mean more certain (it is an EWMA)
 MEMORY_MARGIN = 1.25  # measured peaks vary with allocator chunking: plan above them
 
 
@@ -55,14 +56,26 @@ class BatchCurve:
 
     def _monotone(self) -> list[tuple[int, float]]:
         """Measured points, made non-decreasing in size: a bigger batch never costs less
-        (a noisy sample must not make the scheduler wait for a "cheaper" bigger batch)."""
+        (a noisy sample must not make the scheduler wait for a "cheaper" bigger batch).
+
+        Weighted isotonic regression (pool adjacent violators), each size weighted by its
+        calls: one slow call of a rare size (a batch of 7 that met an allocator growth, seen
+        once on an H200 at 1.47 s beside 1.16 s for 8) is pooled with its neighbours instead
+        of lifting every bigger size to it, which made two calls of 4 look cheaper than one
+        of 8 and split 8 clients into two halves for good."""
         with self._lock:
             points = sorted(self._points.items())
-        out: list[tuple[int, float]] = []
-        top = 0.0
+            counts = dict(self._counts)
+        blocks: list[list[float]] = []        # [mean seconds, weight, number of sizes]
         for size, secs in points:
-            top = max(top, secs)
-            out.append((size, top))
+            blocks.append([secs, float(min(max(1, counts.get(size, 1)), CURVE_WEIGHT_CAP)), 1])
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                (m1, w1, n1), (m2, w2, n2) = blocks[-2], blocks.pop()
+                blocks[-1] = [(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
+        out: list[tuple[int, float]] = []
+        sizes = iter(size for size, _ in points)
+        for mean, _, n in blocks:
+            out.extend((next(sizes), mean) for _ in range(n))
         return out
 
     def seconds(self, size: int) -> float | None:
