@@ -47,11 +47,28 @@ def service(app: str, settings: dict, threads: int = 1, env: dict | None = None)
     return ServiceProcess(app, settings, tmp, threads=threads, env=env)
 
 
+def gpu_name() -> str | None:
+    """The first card as NVML names it, with its memory and driver; None without one."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            h = pynvml.nvmlDeviceGetHandleByIndex(0)
+            name = pynvml.nvmlDeviceGetName(h)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h).total
+            return f"{name} ({mem >> 20} MiB, driver {pynvml.nvmlSystemGetDriverVersion()})"
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no driver, no library, no card
+        return None
+
+
 def write_result(name: str, doc: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
+    gpu = gpu_name()
     doc = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
-           "when": time.strftime("%Y-%m-%dT%H:%M:%S"), **doc}
+           "when": time.strftime("%Y-%m-%dT%H:%M:%S"), **({"gpu": gpu} if gpu else {}), **doc}
     path.write_text(json.dumps(doc, indent=2))
     return path
 

@@ -208,7 +208,7 @@ def main() -> int:
     print(table(rows, ("concurrency", "bare batch", "bare img/s", "served img/s", "served/bare", "served batch",
                        "/healthz p50/p99 ms", "probe p50/p99 ms", "health failures")))
     print(f"idle /healthz p50/p99: {doc['healthz_idle']['public_p50_ms']} / {doc['healthz_idle']['public_p99_ms']} ms")
-    print("written:", write_result("img2img", doc))
+    print("written:", write_result("img2img-gpu" if args.gpu else "img2img", doc))
     return 0
 
 

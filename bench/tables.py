@@ -28,7 +28,9 @@ PAGE = ROOT / "docs" / "bench-figures.md"
 README = ROOT / "README.md"
 BEGIN = "<!-- bench-headline: written by `python -m bench.tables` from bench/published/ -->"
 END = "<!-- /bench-headline -->"
-NAMES = ("supervisor", "ready", "detect", "isolation", "img2img", "contention", "soak", "jobs", "batching")
+NAMES = ("supervisor", "ready", "detect", "isolation", "img2img", "contention", "soak", "jobs", "batching",
+         "img2img-gpu", "isolation-gpu")
+GPU_NAMES = ("img2img-gpu", "isolation-gpu")
 
 
 def load(directory: Path) -> dict[str, dict]:
@@ -81,6 +83,21 @@ def headline_rows(r: dict[str, dict]) -> list[tuple]:
             rows.append((f"/healthz p50 / p99 under img2img concurrency {c}",
                          f"{h['public_p50_ms']} / {h['public_p99_ms']} ms",
                          f"probe socket {h['probe_p50_ms']} / {h['probe_p99_ms']} ms", "p99 <= 20 ms"))
+    if "img2img-gpu" in r:
+        g = r["img2img-gpu"]
+        for c, v in g["by_concurrency"].items():
+            rows.append((f"GPU: img2img served/bare batched throughput, concurrency {c}",
+                         f"{v['served_over_bare']:.2f}",
+                         f"{v['served_images_per_s']} vs {v['bare_images_per_s']} img/s, served mean batch "
+                         f"{v['served_mean_batch']:.2f} (bare {v['bare_batch']}); /healthz p99 "
+                         f"{v['healthz']['public_p99_ms']} ms", ">= 0.9 at 8"))
+    if "isolation-gpu" in r:
+        for sharing, ratio in r["isolation-gpu"]["detect_p99_loaded_over_alone"].items():
+            run = r["isolation-gpu"]["runs"][sharing]
+            loaded, alone = run["loaded"]["detect"]["p99_ms"], run["alone"]["detect"]["p99_ms"]
+            rows.append((f"GPU: detect p99 beside saturated img2img / alone, {sharing.replace('_', '-')}",
+                         f"{ratio:.2f}", f"{loaded} vs {alone} ms",
+                         "<= 1.5"))
     if "contention" in r:
         for v in r["contention"]["results"]:
             rows.append((f"diffusers CPU, {v['threads']} threads, {v['policy']}: neighbours / alone",
@@ -112,13 +129,41 @@ def headline_rows(r: dict[str, dict]) -> list[tuple]:
 HEADLINE = ("detect served/bare throughput at concurrency 32, batching on", "serving overhead at concurrency 1",
             "detect p99 under saturated img2img / alone", "naive design detect p99", "death detection median / p99",
             "supervisor gone after", "/healthz p50 / p99 under img2img concurrency 8",
-            "onecard status wall time, median", "supervisor idle CPU", "supervisor RSS", "soak: ")
+            "onecard status wall time, median", "supervisor idle CPU", "supervisor RSS", "soak: ",
+            "GPU: img2img served/bare batched throughput, concurrency 8", "GPU: detect p99")
 
 
 def _source(name: str, doc: dict) -> str:
     machine = doc.get("machine", {})
+    gpu = f", {doc['gpu']}" if doc.get("gpu") else ""
     return (f"From `bench/published/{name}.json`: written {doc.get('when', '?')} on {machine.get('cpus', '?')} "
-            f"CPUs, Python {machine.get('python', '?')}.")
+            f"CPUs{gpu}, Python {machine.get('python', '?')}.")
+
+
+def gpu_tables(r: dict[str, dict]) -> list[str]:
+    out: list[str] = []
+    if "img2img-gpu" in r:
+        g = r["img2img-gpu"]
+        rows = [(c, v["bare_batch"], v["bare_images_per_s"], v["served_images_per_s"], f"{v['served_over_bare']:.2f}",
+                 f"{v['served_mean_batch']:.2f}", f"{v['healthz']['public_p50_ms']} / {v['healthz']['public_p99_ms']}")
+                for c, v in g["by_concurrency"].items()]
+        out += [f"img2img served against the bare pipeline ({g.get('gpu', 'GPU')}; SD-1.5 architecture, fp16, "
+                f"{g['side']}x{g['side']}, {g['steps']} steps at strength {g['strength']}):", "",
+                markdown(rows, ("clients", "bare batch", "bare img/s", "served img/s", "served / bare",
+                                "served mean batch", "/healthz p50 / p99 ms")), ""]
+    if "isolation-gpu" in r:
+        i = r["isolation-gpu"]
+        rows = []
+        for sharing, run in i["runs"].items():
+            for which in ("alone", "loaded"):
+                d = run[which]["detect"]
+                rows.append((sharing.replace("_", "-"), "alone" if which == "alone" else "img2img saturated",
+                             d["p50_ms"], d["p95_ms"], d["p99_ms"], d["throughput_rps"],
+                             run[which].get("img2img", {}).get("throughput_rps", "-")))
+        out += [f"CenterFace on onnxruntime's CUDA provider beside SD-1.5 img2img ({i['img2img_concurrency']} "
+                f"clients), one card ({i.get('gpu', 'GPU')}), time-sliced and under MPS:", "",
+                markdown(rows, ("sharing", "detect", "p50 ms", "p95 ms", "p99 ms", "detect rps", "img2img img/s")), ""]
+    return out
 
 
 def detect_table(d: dict) -> str:
@@ -172,6 +217,9 @@ def render_page(r: dict[str, dict]) -> str:
         out += ["## Jobs API: what a job adds, and units on one Redis", "", jobs_tables(r["jobs"]), ""]
     if "batching" in r:
         out += ["## Batching against a simulated accelerator", "", batching_table(r["batching"]), ""]
+    gpu = gpu_tables(r)
+    if gpu:
+        out += ["## On a GPU", "", *gpu]
     if sources:
         out += ["## Sources", "", *sources, ""]
     return "\n".join(out).rstrip("\n") + "\n"
@@ -179,13 +227,16 @@ def render_page(r: dict[str, dict]) -> str:
 
 def render_headline(r: dict[str, dict]) -> str:
     rows = [row for row in headline_rows(r) if row[0].startswith(HEADLINE)]
-    when = sorted({doc["when"][:10] for doc in r.values() if "when" in doc}) or ["?"]
-    cpus = sorted({str(doc["machine"]["cpus"]) for doc in r.values() if "machine" in doc}) or ["?"]
+    cpu_docs = [doc for n, doc in r.items() if n not in GPU_NAMES]
+    when = sorted({doc["when"][:10] for doc in cpu_docs if "when" in doc}) or ["?"]
+    cpus = sorted({str(doc["machine"]["cpus"]) for doc in cpu_docs if "machine" in doc}) or ["?"]
+    gpus = sorted({f"{doc['gpu']}, {doc['when'][:10]}" for n, doc in r.items() if n in GPU_NAMES and "when" in doc})
     lines = [BEGIN]
     if rows:
         lines += [markdown([(m, f, t) for m, f, _, t in rows], ("measure", "figure", "target")), "",
                   f"Measured {' to '.join(dict.fromkeys([when[0], when[-1]]))} on {'/'.join(cpus)} CPUs without a GPU "
-                  "(the targets are meant for a GPU host; how the runs were made and how to read them: "
+                  + (f"except the rows marked GPU ({'; '.join(gpus)}) " if gpus else "")
+                  + "(the targets are meant for a GPU host; how the runs were made and how to read them: "
                   "[docs/benchmarks.md](docs/benchmarks.md)); every figure and its source file: "
                   "[docs/bench-figures.md](docs/bench-figures.md)."]
     else:
