@@ -84,15 +84,23 @@ def measured_call(fn: Callable[[list], list], items: list, probe: PeakProbe | No
     return results, seconds, (probe.stop() if probe is not None else None)
 
 
+class WarmUpFailed(RuntimeError):
+    """A warm-up item failed alone (its error returned as its result): ``failure``."""
+
+    def __init__(self, failure: BaseException):
+        super().__init__(f"warm-up inference failed: {failure!r}")
+        self.failure = failure
+
+
 def _check(results: list) -> None:
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
-        raise RuntimeError(f"warm-up inference failed: {failed[0]!r}")
+        raise WarmUpFailed(failed[0])
 
 
 def _out_of_memory(exc: BaseException, backend: Any, size: int) -> bool:
     """True (and the memory freed) when a warm-up call of `size` items ran out of memory."""
-    if not is_out_of_memory(exc):
+    if not is_out_of_memory(exc.failure if isinstance(exc, WarmUpFailed) else exc):  # its type, not its repr
         return False
     log.warning("warm-up: a call of %d item(s) ran out of memory (%s); larger batches are not run", size,
                 str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__)
