@@ -224,3 +224,29 @@ def test_a_batch_refused_with_an_api_error_naming_memory_frees_nothing_and_each_
     assert batches == [["a"], ["b", "c"], ["b"], ["c"]]
     assert [(r.status, r.code) for r in results] == [(413, "too_costly")] * 3
     assert freed == 0 and count == 0
+
+
+def test_memory_is_freed_on_the_worker_thread_never_on_the_event_loop():
+    """on_out_of_memory is a full collection and the allocator's cache handed back (GPU work):
+    the loop that answers /healthz must not run it, for a batch or for one item."""
+    async def main():
+        sched, backend = scheduler()
+        loop_thread, threads = threading.current_thread(), []
+        backend.on_out_of_memory = lambda: threads.append(threading.current_thread())
+        backend.raise_on_batch = "o1"
+        blocker = await hold(sched, backend)
+        tasks = [asyncio.ensure_future(sched.submit([Item(n)], None, Timing(), None)) for n in ("o1", "o2")]
+        await until(lambda: sched.pending_items == 2)
+        backend.gate.set()
+        await asyncio.gather(blocker, *tasks)
+
+        def oom(items):
+            raise RuntimeError("CUDA out of memory")
+        backend.infer_batch = oom
+        with pytest.raises(ApiError):
+            await sched.submit([Item("big")], None, Timing(), None)
+        await sched.stop()
+        return loop_thread, threads
+
+    loop_thread, threads = run(main())
+    assert len(threads) == 2 and all(t is not loop_thread for t in threads)

@@ -4,6 +4,8 @@ through batch sizes stops at the first size that runs out of memory, and only th
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 
 import pytest
 
@@ -114,3 +116,25 @@ def test_a_client_error_at_warm_up_fails_the_start_instead_of_capping_the_batche
     with pytest.raises(Exception, match="would run out of memory") as caught:
         warm(model)
     assert model.freed == 0 and (caught.value is error or caught.value.failure is error)
+
+
+def test_memory_is_freed_and_the_heap_trimmed_on_the_worker_never_on_the_event_loop(monkeypatch):
+    from services.runtime.pipeline import warmup
+    worker = concurrent.futures.ThreadPoolExecutor(1)
+    threads: dict[str, threading.Thread] = {}
+
+    async def on_worker(fn, *args, tracked=True):
+        return await asyncio.get_running_loop().run_in_executor(worker, fn, *args)
+
+    async def main():
+        threads["loop"] = threading.current_thread()
+        return await warm_up(model, on_worker, ServiceCost(model, 8), 1, 8)
+
+    model = Model(fits=2)
+    model.on_out_of_memory = lambda: threads.setdefault("freed", threading.current_thread())
+    monkeypatch.setattr(warmup.memory, "trim_heap", lambda: threads.setdefault("trimmed", threading.current_thread()))
+    try:
+        assert asyncio.run(main()).max_batch == 2
+    finally:
+        worker.shutdown()
+    assert threads["freed"] is not threads["loop"] and threads["trimmed"] is not threads["loop"]
