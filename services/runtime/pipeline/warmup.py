@@ -65,6 +65,14 @@ class PeakProbe:
             if not memory.reset_peak():
                 self.kind = "none"
 
+    def held_bytes(self) -> int | None:
+        """What the model holds on the card between calls (torch's allocations; None where
+        unknown). Not torch's reserved memory: after warm-up that is mostly its cache of
+        freed blocks, which the next call reuses."""
+        if self.kind == "torch":
+            return int(sys.modules["torch"].cuda.memory_allocated())
+        return None
+
     def stop(self) -> int | None:
         if self.kind == "torch":
             return max(0, sys.modules["torch"].cuda.max_memory_allocated() - self._base)
