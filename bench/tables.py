@@ -235,7 +235,8 @@ def render_headline(r: dict[str, dict]) -> str:
     cpu_docs = [doc for n, doc in r.items() if n not in GPU_NAMES]
     when = sorted({doc["when"][:10] for doc in cpu_docs if "when" in doc}) or ["?"]
     cpus = sorted({str(doc["machine"]["cpus"]) for doc in cpu_docs if "machine" in doc}) or ["?"]
-    gpus = sorted({f"{doc.get('gpu', 'GPU')}, {doc['when'][:10]}" for n, doc in r.items() if n in GPU_NAMES and "when" in doc})
+    gpus = sorted({f"{doc.get('gpu', 'GPU')}, {doc['when'][:10]}" for n, doc in r.items()
+                   if n in GPU_NAMES and "when" in doc})
     lines = [BEGIN]
     if rows:
         lines += [markdown([(m, f, t) for m, f, _, t in rows], ("measure", "figure", "target")), "",
