@@ -89,7 +89,7 @@ def headline_rows(r: dict[str, dict]) -> list[tuple]:
             rows.append((f"GPU: img2img served/bare batched throughput, concurrency {c}",
                          f"{v['served_over_bare']:.2f}",
                          f"{v['served_images_per_s']} vs {v['bare_images_per_s']} img/s, served mean batch "
-                         f"{v['served_mean_batch']:.2f} (bare {v['bare_batch']}); /healthz p99 "
+                         f"{_mean_batch(v)} (bare {v['bare_batch']}); /healthz p99 "
                          f"{v['healthz']['public_p99_ms']} ms", ">= 0.9 at 8"))
     if "isolation-gpu" in r:
         for sharing, ratio in r["isolation-gpu"]["detect_p99_loaded_over_alone"].items():
@@ -140,12 +140,17 @@ def _source(name: str, doc: dict) -> str:
             f"CPUs{gpu}, Python {machine.get('python', '?')}.")
 
 
+def _mean_batch(v: dict) -> str:
+    """The served mean batch; "-" when the service made no call in that run (all failed)."""
+    return "-" if v.get("served_mean_batch") is None else f"{v['served_mean_batch']:.2f}"
+
+
 def gpu_tables(r: dict[str, dict]) -> list[str]:
     out: list[str] = []
     if "img2img-gpu" in r:
         g = r["img2img-gpu"]
         rows = [(c, v["bare_batch"], v["bare_images_per_s"], v["served_images_per_s"], f"{v['served_over_bare']:.2f}",
-                 f"{v['served_mean_batch']:.2f}", f"{v['healthz']['public_p50_ms']} / {v['healthz']['public_p99_ms']}")
+                 _mean_batch(v), f"{v['healthz']['public_p50_ms']} / {v['healthz']['public_p99_ms']}")
                 for c, v in g["by_concurrency"].items()]
         out += [f"img2img served against the bare pipeline ({g.get('gpu', 'GPU')}; SD-1.5 architecture, fp16, "
                 f"{g['side']}x{g['side']}, {g['steps']} steps at strength {g['strength']}):", "",
@@ -230,7 +235,8 @@ def render_headline(r: dict[str, dict]) -> str:
     cpu_docs = [doc for n, doc in r.items() if n not in GPU_NAMES]
     when = sorted({doc["when"][:10] for doc in cpu_docs if "when" in doc}) or ["?"]
     cpus = sorted({str(doc["machine"]["cpus"]) for doc in cpu_docs if "machine" in doc}) or ["?"]
-    gpus = sorted({f"{doc['gpu']}, {doc['when'][:10]}" for n, doc in r.items() if n in GPU_NAMES and "when" in doc})
+    gpus = sorted({f"{doc.get('gpu', 'GPU')}, {doc['when'][:10]}" for n, doc in r.items()
+                   if n in GPU_NAMES and "when" in doc})
     lines = [BEGIN]
     if rows:
         lines += [markdown([(m, f, t) for m, f, _, t in rows], ("measure", "figure", "target")), "",

@@ -132,7 +132,8 @@ class DiffusersBackend:
         # CPU the small item keeps the start short.
         side, steps, strength = (64, 2, 0.5)
         if getattr(self, "device", "cpu") == "cuda":
-            side, steps, strength = min(self.settings.max_side, 512) // 8 * 8, self.settings.default_steps, 0.75
+            # at least 2 steps: 1 at strength 0.75 is no denoising step (an identity call)
+            side, steps, strength = min(self.settings.max_side, 512) // 8 * 8, max(2, self.settings.default_steps), 0.75
         rgb = Image.fromarray(np.full((side, side, 3), 128, dtype=np.uint8))
         item = Img2ImgItem(rgb, "warm-up", "", strength, steps, 7.5, 0, (side, side))
         self.prepare(item)

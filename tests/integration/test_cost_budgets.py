@@ -188,3 +188,17 @@ def test_a_batch_size_that_runs_out_of_memory_at_warm_up_caps_the_batches_instea
         assert [r.status_code for r in rs] == [200] * 6
         assert max(len(b) for b in seen(svc)["batches"]) == 2
         assert seen(svc)["freed"] >= 1      # the failed warm-up call's memory was given back
+
+
+def test_batches_capped_to_one_item_at_warm_up_turn_batching_off_in_info_and_stats(tmp_path):
+    """Two items already run out of memory: /info and /stats both say batching is off (the
+    service serves one item a call), whatever max_batch_size asked for."""
+    settings = {"batching": True, "max_batch_size": 8, "warmup_oom_above": 1}
+    with ServiceProcess(APP, settings, tmp_path) as svc:
+        info, stats = httpx.get(svc.url + "/info").json(), httpx.get(svc.url + "/stats").json()["batching"]
+        assert info["batching"] is False
+        assert (stats["policy"], stats["max_batch_size"]) == ("off", 1)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            rs = list(pool.map(lambda i: post(svc, f"?id=v{i}&sleep=0.05"), range(4)))
+        assert [r.status_code for r in rs] == [200] * 4
+        assert max(len(b) for b in seen(svc)["batches"]) == 1

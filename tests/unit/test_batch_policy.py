@@ -5,9 +5,11 @@ in these tests: every instant is an argument."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.runtime.pipeline.batch_policy import BatchPolicy
-from services.runtime.pipeline.cost_curves import BatchCurve
+from services.runtime.pipeline.cost_curves import CURVE_WEIGHT_CAP, BatchCurve
 
 SD = (0.643, 0.0644)        # H100, SD-1.5 img2img fp16 512x512: A + B(b - 1)
 DETECT = (0.008, 0.0015)
@@ -225,3 +227,34 @@ def test_one_slow_call_of_a_rare_size_does_not_make_full_batches_look_dear():
     t = closed_loop(policy, 4, 0.03, 0.76)
     d = policy.decide(t, 4, "k", 0.0, 0.0, [], seconds_of(c))
     assert d.wait_s == pytest.approx(0.03, abs=0.002) and d.expected_items == pytest.approx(8)
+
+
+def _isotonic_reference(ys: list[float], ws: list[float]) -> list[float]:
+    """The weighted least-squares non-decreasing fit by its min-max formula (no pooling):
+    fit_i = max over j <= i of min over k >= i of the weighted mean of ys[j..k]."""
+    def mean(j, k):
+        return sum(y * w for y, w in zip(ys[j:k + 1], ws[j:k + 1], strict=True)) / sum(ws[j:k + 1])
+    n = len(ys)
+    return [max(min(mean(j, k) for k in range(i, n)) for j in range(i + 1)) for i in range(n)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 64), st.floats(0.001, 5.0), st.integers(1, 40)),
+                min_size=1, max_size=9, unique_by=lambda p: p[0]))
+def test_the_curve_is_the_weighted_monotone_least_squares_fit_of_the_measured_sizes(points):
+    """Weights are the calls per size, capped; the fit is non-decreasing, equals the input
+    when that already is, and matches the reference fit."""
+    c = BatchCurve(64)
+    for size, secs, calls in points:
+        c.replace(size, secs)
+        c._counts[size] = calls
+    ordered = sorted(points)
+    ys = [secs for _, secs, _ in ordered]
+    ws = [min(calls, CURVE_WEIGHT_CAP) for _, _, calls in ordered]
+    fit = c._monotone()
+    assert [s for s, _ in fit] == [s for s, _, _ in ordered]
+    values = [v for _, v in fit]
+    assert all(a <= b for a, b in zip(values, values[1:], strict=False))
+    assert values == pytest.approx(_isotonic_reference(ys, ws), rel=1e-9, abs=1e-12)
+    if all(a <= b for a, b in zip(ys, ys[1:], strict=False)):
+        assert values == ys

@@ -59,3 +59,24 @@ def test_the_card_is_the_first_visible_device_not_nvml_index_0(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc,GPU-def")
     gpu._nvml_handle(FakeNvml())
     assert calls == [("index", 2), ("uuid", "GPU-abc")]
+
+
+def test_the_cuda_libraries_are_preloaded_once_a_process_and_what_onnxruntime_prints_is_logged(monkeypatch, caplog):
+    """preload_dlls runs under a process-wide stdout swap: once, under a lock, so sessions
+    made on two threads never restore each other's stdout (one left sys.stdout a StringIO)."""
+    import sys
+    from types import SimpleNamespace
+    monkeypatch.setattr(gpu, "_preloaded", False, raising=False)
+    calls = []
+
+    def preload_dlls():
+        calls.append(sys.stdout)
+        print("Failed to load libcudnn.so.9")
+    ort = SimpleNamespace(preload_dlls=preload_dlls)
+    stdout = sys.stdout
+    with caplog.at_level("WARNING", logger="onecard.gpu"):
+        gpu.preload_cuda_libraries(ort)
+        gpu.preload_cuda_libraries(ort)
+    assert len(calls) == 1 and calls[0] is not stdout and sys.stdout is stdout
+    assert [r.getMessage() for r in caplog.records] == \
+        ["onnxruntime preloading the CUDA libraries: Failed to load libcudnn.so.9"]

@@ -128,6 +128,21 @@ def test_the_tables_are_read_from_the_result_files(tmp_path):
     assert "Measured 2030-01-02 on 3 CPUs" in block
 
 
+def test_a_gpu_run_whose_service_made_no_call_and_whose_card_nvml_did_not_name_still_renders(tmp_path):
+    from bench import tables
+    health = {"public_p50_ms": 1.0, "public_p99_ms": 2.0, "probe_p50_ms": 1.0, "probe_p99_ms": 2.0, "failures": 0}
+    run = {"bare_images_per_s": 7.0, "bare_batch": 8, "served_images_per_s": 0.0, "served_over_bare": 0.0,
+           "healthz": health, "served_calls": 0, "served_mean_batch": None, "waited_s": 0.0}
+    doc = {"machine": {"cpus": 16, "python": "3.11.7"}, "when": "2030-01-02T03:04:05", "side": 512, "steps": 20,
+           "strength": 0.75, "by_concurrency": {"8": run}}
+    (tmp_path / "img2img-gpu.json").write_text(json.dumps(doc))
+    r = tables.load(tmp_path)
+    page, block = tables.render_page(r), tables.render_headline(r)
+    assert "| 8 | 8 | 7.0 | 0.0 | 0.00 | - |" in page
+    assert "(GPU, 2030-01-02)" in block
+    assert any("served mean batch - (bare 8)" in row[2] for row in tables.headline_rows(r))
+
+
 # --- what the docs name exists -----------------------------------------------------------------
 
 TOP = ("supervisor", "services", "onecard", "common", "bench", "tests", "deploy", "configs", "packaging", "examples",

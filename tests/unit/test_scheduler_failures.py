@@ -198,3 +198,55 @@ def test_a_backend_returning_the_wrong_number_of_results_fails_the_request_with_
         return str(err.value)
 
     assert run(main()) == "backend returned 0 results for 1 items"
+
+
+def test_a_batch_refused_with_an_api_error_naming_memory_frees_nothing_and_each_item_keeps_its_answer():
+    async def main():
+        sched, backend = scheduler()
+
+        def refuse(items):
+            backend.batches.append([i.name for i in items])
+            backend.entered.set()
+            backend.gate.wait(5)
+            raise ApiError(413, "too_costly", "out of memory: this picture is too big")
+        backend.infer_batch = refuse
+        backend.gate.clear()
+        first = asyncio.ensure_future(sched.submit([Item("a")], "k", Timing(), None))
+        await until(backend.entered.is_set)
+        rest = [asyncio.ensure_future(sched.submit([Item(n)], "k", Timing(), None)) for n in ("b", "c")]
+        await until(lambda: sched.pending_items == 2)
+        backend.gate.set()
+        results = await asyncio.gather(first, *rest, return_exceptions=True)
+        await sched.stop()
+        return backend.batches, results, backend.freed, dropped(sched, "out_of_memory")
+
+    batches, results, freed, count = run(main())
+    assert batches == [["a"], ["b", "c"], ["b"], ["c"]]
+    assert [(r.status, r.code) for r in results] == [(413, "too_costly")] * 3
+    assert freed == 0 and count == 0
+
+
+def test_memory_is_freed_on_the_worker_thread_never_on_the_event_loop():
+    """on_out_of_memory is a full collection and the allocator's cache handed back (GPU work):
+    the loop that answers /healthz must not run it, for a batch or for one item."""
+    async def main():
+        sched, backend = scheduler()
+        loop_thread, threads = threading.current_thread(), []
+        backend.on_out_of_memory = lambda: threads.append(threading.current_thread())
+        backend.raise_on_batch = "o1"
+        blocker = await hold(sched, backend)
+        tasks = [asyncio.ensure_future(sched.submit([Item(n)], None, Timing(), None)) for n in ("o1", "o2")]
+        await until(lambda: sched.pending_items == 2)
+        backend.gate.set()
+        await asyncio.gather(blocker, *tasks)
+
+        def oom(items):
+            raise RuntimeError("CUDA out of memory")
+        backend.infer_batch = oom
+        with pytest.raises(ApiError):
+            await sched.submit([Item("big")], None, Timing(), None)
+        await sched.stop()
+        return loop_thread, threads
+
+    loop_thread, threads = run(main())
+    assert len(threads) == 2 and all(t is not loop_thread for t in threads)

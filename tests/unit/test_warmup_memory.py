@@ -4,9 +4,12 @@ through batch sizes stops at the first size that runs out of memory, and only th
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 
 import pytest
 
+from services.runtime.errors import ApiError
 from services.runtime.pipeline.backend import is_out_of_memory
 from services.runtime.pipeline.cost import ServiceCost
 from services.runtime.pipeline.warmup import warm_up
@@ -87,3 +90,51 @@ def test_one_item_out_of_memory_fails_the_start_and_other_errors_are_not_swallow
         warm(Model(fits=0))
     with pytest.raises(RuntimeError, match="shape"):
         warm(Model(fits=2, error="shape mismatch"))
+
+
+def test_an_api_error_naming_memory_is_the_answer_the_backend_chose_not_out_of_memory():
+    assert not is_out_of_memory(ApiError(413, "too_costly", "this picture would run out of memory: send a smaller one"))
+    assert not is_out_of_memory(ApiError(507, "no_room", "out of memory on disk"))
+    assert is_out_of_memory(ApiError(503, "out_of_memory", "the model ran out of GPU memory; retry later"))
+
+
+@pytest.mark.parametrize("returned", [False, True])
+def test_a_client_error_at_warm_up_fails_the_start_instead_of_capping_the_batches(returned):
+    """Raised for the batch, or returned as one item's result: the start fails, as for any
+    error but out of memory (a 4xx whose text says "out of memory" must not cap batches)."""
+    error = ApiError(422, "invalid_parameter", "a batch of 4 would run out of memory: send fewer")
+    model = Model(fits=2)
+
+    def infer(items):
+        model.calls.append(len(items))
+        if len(items) > model.fits:
+            if not returned:
+                raise error
+            return [error] * len(items)
+        return [{"ok": True} for _ in items]
+    model.infer_batch = infer
+    with pytest.raises(Exception, match="would run out of memory") as caught:
+        warm(model)
+    assert model.freed == 0 and (caught.value is error or caught.value.failure is error)
+
+
+def test_memory_is_freed_and_the_heap_trimmed_on_the_worker_never_on_the_event_loop(monkeypatch):
+    from services.runtime.pipeline import warmup
+    worker = concurrent.futures.ThreadPoolExecutor(1)
+    threads: dict[str, threading.Thread] = {}
+
+    async def on_worker(fn, *args, tracked=True):
+        return await asyncio.get_running_loop().run_in_executor(worker, fn, *args)
+
+    async def main():
+        threads["loop"] = threading.current_thread()
+        return await warm_up(model, on_worker, ServiceCost(model, 8), 1, 8)
+
+    model = Model(fits=2)
+    model.on_out_of_memory = lambda: threads.setdefault("freed", threading.current_thread())
+    monkeypatch.setattr(warmup.memory, "trim_heap", lambda: threads.setdefault("trimmed", threading.current_thread()))
+    try:
+        assert asyncio.run(main()).max_batch == 2
+    finally:
+        worker.shutdown()
+    assert threads["freed"] is not threads["loop"] and threads["trimmed"] is not threads["loop"]

@@ -13,6 +13,7 @@ import contextlib
 import io
 import logging
 import os
+import threading
 from typing import Any
 
 log = logging.getLogger("onecard.gpu")
@@ -61,9 +62,24 @@ def preload_cuda_libraries(ort: Any) -> None:
     uses too). Its CUDA provider has no RUNPATH: without this, a pip install runs on the
     CPU unless LD_LIBRARY_PATH happens to name those folders. onnxruntime prints what
     failed; it goes to the log instead."""
+    global _preloaded
     preload = getattr(ort, "preload_dlls", None)
     if preload is None:
         return
+    # once a process, one thread at a time: redirect_stdout swaps sys.stdout for the whole
+    # process, and two overlapping swaps (sessions made on two threads) restore the wrong one
+    with _preload_lock:
+        if _preloaded:
+            return
+        _preloaded = True
+        _preload(preload)
+
+
+_preload_lock = threading.Lock()
+_preloaded = False
+
+
+def _preload(preload: Any) -> None:
     said = io.StringIO()
     try:
         with contextlib.redirect_stdout(said):

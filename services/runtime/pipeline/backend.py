@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.runtime.errors import ApiError
+
 
 class Backend:
     name = "backend"
@@ -72,6 +74,10 @@ OUT_OF_MEMORY_MARKS = ("out of memory", "failed to allocate memory", "smaller th
 
 def is_out_of_memory(exc: BaseException) -> bool:
     import sys
+    if isinstance(exc, ApiError):
+        # an answer the backend chose (a 4xx naming memory is the client's fault): never a
+        # batch cap at warm-up nor a reason to free memory, unless it says out of memory
+        return exc.code == "out_of_memory"
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(exc, getattr(torch.cuda, "OutOfMemoryError", ())):
         return True

@@ -371,12 +371,15 @@ class Scheduler:
                     results = [exc]
                 else:
                     if is_out_of_memory(exc):
-                        self._free_memory(exc)
+                        await self._free_memory(exc)
                     results = [await self._infer_alone(p) for p in payloads]
             if self.cost.call_bytes(pixels) >= TRIM_AFTER_BYTES and not self.cost.call_on_gpu:
                 await self.worker.run(memory.trim_heap, tracked=False)
-            return [self._out_of_memory(r) if isinstance(r, BaseException) and is_out_of_memory(r) else r
-                    for r in results]
+            out_of_memory = [r for r in results if isinstance(r, BaseException) and not isinstance(r, ApiError)
+                             and is_out_of_memory(r)]
+            for exc in out_of_memory:
+                await self._free_memory(exc)
+            return [self._out_of_memory(r) if any(r is e for e in out_of_memory) else r for r in results]
         finally:
             self.in_flight = 0
             self.metrics.in_flight.set(0)
@@ -390,17 +393,17 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - this item's own failure
             return exc
 
-    def _free_memory(self, exc: BaseException) -> None:
+    async def _free_memory(self, exc: BaseException) -> None:
+        """On the worker: a full collection and the allocator's cache given back are not the
+        event loop's work (nor is touching the GPU from another thread than the model's)."""
         log.warning("GPU out of memory: %s", exc)
         try:
-            self.backend.on_out_of_memory()
+            await self.worker.run(self.backend.on_out_of_memory, tracked=False)
         except Exception:  # noqa: BLE001 - freeing memory must not turn one 503 into a crash
             log.exception("freeing memory after out-of-memory failed")
 
     def _out_of_memory(self, exc: BaseException) -> ApiError:
-        if isinstance(exc, ApiError):
-            return exc
-        self._free_memory(exc)
+        """The 503 for a call that ran out of memory (freed already, by _free_memory)."""
         self.metrics.dropped.labels("out_of_memory").inc()
         return ApiError(503, "out_of_memory", "the model ran out of GPU memory; retry later",
                         {"Retry-After": str(self.settings.retry_after_s)})

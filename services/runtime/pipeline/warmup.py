@@ -65,6 +65,14 @@ class PeakProbe:
             if not memory.reset_peak():
                 self.kind = "none"
 
+    def held_bytes(self) -> int | None:
+        """What the model holds on the card between calls (torch's allocations; None where
+        unknown). Not torch's reserved memory: after warm-up that is mostly its cache of
+        freed blocks, which the next call reuses."""
+        if self.kind == "torch":
+            return int(sys.modules["torch"].cuda.memory_allocated())
+        return None
+
     def stop(self) -> int | None:
         if self.kind == "torch":
             return max(0, sys.modules["torch"].cuda.max_memory_allocated() - self._base)
@@ -84,20 +92,29 @@ def measured_call(fn: Callable[[list], list], items: list, probe: PeakProbe | No
     return results, seconds, (probe.stop() if probe is not None else None)
 
 
+class WarmUpFailed(RuntimeError):
+    """A warm-up item failed alone (its error returned as its result): ``failure``."""
+
+    def __init__(self, failure: BaseException):
+        super().__init__(f"warm-up inference failed: {failure!r}")
+        self.failure = failure
+
+
 def _check(results: list) -> None:
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
-        raise RuntimeError(f"warm-up inference failed: {failed[0]!r}")
+        raise WarmUpFailed(failed[0])
 
 
-def _out_of_memory(exc: BaseException, backend: Any, size: int) -> bool:
-    """True (and the memory freed) when a warm-up call of `size` items ran out of memory."""
-    if not is_out_of_memory(exc):
+async def _out_of_memory(exc: BaseException, backend: Any, size: int, run_on_worker: Callable) -> bool:
+    """True (and the memory freed, on the worker: it is GPU work, and a full collection) when
+    a warm-up call of `size` items ran out of memory."""
+    if not is_out_of_memory(exc.failure if isinstance(exc, WarmUpFailed) else exc):  # its type, not its repr
         return False
     log.warning("warm-up: a call of %d item(s) ran out of memory (%s); larger batches are not run", size,
                 str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__)
     try:
-        backend.on_out_of_memory()
+        await run_on_worker(backend.on_out_of_memory, tracked=False)
     except Exception:  # noqa: BLE001 - the next call says whether memory came back
         log.exception("freeing memory after out-of-memory failed")
     return True
@@ -122,7 +139,7 @@ async def warm_up(backend: Any, run_on_worker: Callable, cost: ServiceCost, runs
         try:
             _check(await run_on_worker(backend.infer_batch, items))
         except Exception as exc:
-            if len(items) == 1 or not _out_of_memory(exc, backend, len(items)):
+            if len(items) == 1 or not await _out_of_memory(exc, backend, len(items), run_on_worker):
                 raise
             items = items[:1]
             _check(await run_on_worker(backend.infer_batch, items))
@@ -144,7 +161,7 @@ async def warm_up(backend: Any, run_on_worker: Callable, cost: ServiceCost, runs
                 if peak is not None:
                     peak_max = peak if peak_max is None else max(peak_max, peak)
         except Exception as exc:
-            if size == 1 or not _out_of_memory(exc, backend, size):
+            if size == 1 or not await _out_of_memory(exc, backend, size, run_on_worker):
                 raise
             break
         fitted = size
@@ -155,6 +172,6 @@ async def warm_up(backend: Any, run_on_worker: Callable, cost: ServiceCost, runs
     if samples:
         cost.memory.fit(samples)
     cost.probe = probe
-    memory.trim_heap()
+    await run_on_worker(memory.trim_heap, tracked=False)  # malloc_trim: tens of ms, never on the loop
     log.info("cost model: %s", {"time": cost.curve.snapshot(), "memory": cost.memory.snapshot()})
     return out

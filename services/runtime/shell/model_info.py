@@ -61,7 +61,7 @@ def static_info(part: ModelPart) -> dict[str, Any]:
         "warmup_inferences": part.warmup_inferences,
         "frozen_objects": part.frozen_objects,  # start-up objects the garbage collector no longer scans
         "limits": {k: getattr(s, k) for k in LIMIT_KEYS},
-        "batching": part.backend.supports_batching and s.max_batch_size > 1,
+        "batching": part.scheduler.batching,  # after warm-up, which may have capped the batches
         "batch_policy": s.batch_policy,
         "memory_budgets": None if part.scheduler.cost.budgets is None else part.scheduler.cost.budgets.snapshot(),
         "gpu_memory_budget_bytes": budget_bytes(),

@@ -122,7 +122,11 @@ class ModelPart(ServicePart):
             # no plan from the supervisor (one service on the card): the whole card; a call
             # that finds it taken is answered 503 out_of_memory, not planned against host memory
             card = device_gpu.budget_bytes() or device_gpu.total_gpu_memory()
-            held_on_card = self._gpu_memory() or 0
+            # what the model holds, not what torch keeps cached from the warm-up's biggest
+            # batch (on an H200 12.5 GB reserved for 2.1 GB of SD-1.5 weights): a call reuses it
+            held_on_card = cost.probe.held_bytes() if cost.probe is not None else None
+            if held_on_card is None:
+                held_on_card = self._gpu_memory() or 0
             if card:
                 gpu_call = max(0, card - held_on_card)
         budgets = plan_budgets(total, baseline, source=source, batch_bytes=s.max_call_memory_bytes,
