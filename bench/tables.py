@@ -230,6 +230,23 @@ def render_page(r: dict[str, dict]) -> str:
     return "\n".join(out).rstrip("\n") + "\n"
 
 
+def batching_summary(b: dict) -> str:
+    """Served / ideal by clients, one row per profile and policy (p50 at 8 clients beside it):
+    the default policy side by side with the fixed fill windows."""
+    by = {(x["profile"], x["policy"], x["clients"]): x for x in b["rows"]}
+    clients = sorted({x["clients"] for x in b["rows"]})
+    rows = []
+    for profile in dict.fromkeys(x["profile"] for x in b["rows"]):
+        for policy in ("auto", "fixed-0", "fixed-150", "off"):
+            got = [by.get((profile, policy, c)) for c in clients]
+            if not any(got):
+                continue
+            eight = by.get((profile, policy, 8))
+            rows.append((profile, policy, *(f"{g['served_over_ideal']:.2f}" if g else "" for g in got),
+                         f"{eight['p50_ms']:.0f}" if eight else ""))
+    return markdown(rows, ("profile", "policy", *(f"{c} clients" for c in clients), "p50 ms at 8"))
+
+
 def render_headline(r: dict[str, dict]) -> str:
     rows = [row for row in headline_rows(r) if row[0].startswith(HEADLINE)]
     cpu_docs = [doc for n, doc in r.items() if n not in GPU_NAMES]
@@ -247,6 +264,11 @@ def render_headline(r: dict[str, dict]) -> str:
                   "[docs/bench-figures.md](docs/bench-figures.md)."]
     else:
         lines += ["No benchmark result is published yet ([docs/benchmarks.md](docs/benchmarks.md))."]
+    if "batching" in r:
+        b = r["batching"]
+        lines += ["", f"Batching against the simulated accelerator (`bench/simaccel.py`; served / ideal, closed-loop "
+                      f"clients, {b.get('duration_s', '?')} s a level, {b['when'][:10]}; the policies in "
+                      "[docs/batching.md](docs/batching.md)):", "", batching_summary(b)]
     return "\n".join([*lines, END])
 
 
