@@ -29,7 +29,7 @@ README = ROOT / "README.md"
 BEGIN = "<!-- bench-headline: written by `python -m bench.tables` from bench/published/ -->"
 END = "<!-- /bench-headline -->"
 NAMES = ("supervisor", "ready", "detect", "isolation", "img2img", "contention", "soak", "jobs", "batching",
-         "img2img-gpu", "isolation-gpu")
+         "img2img-gpu", "isolation-gpu", "batching-openloop")
 GPU_NAMES = ("img2img-gpu", "isolation-gpu")
 
 
@@ -204,6 +204,13 @@ def batching_table(b: dict) -> str:
     return markdown(rows, ("profile", "policy", "clients", "served / ideal", "p50 ms", "p99 ms"))
 
 
+def openloop_table(b: dict) -> str:
+    rows = [(x["profile"], x["pattern"], x["rate"], x["policy"], f"{x['mean_ms']:.0f}", f"{x['p50_ms']:.0f}",
+             f"{x['p99_ms']:.0f}", x["mean_batch"], x["failed"]) for x in b["rows"]]
+    return markdown(rows, ("profile", "arrivals", "per s", "policy", "mean ms", "p50 ms", "p99 ms", "mean batch",
+                           "failed"))
+
+
 def render_page(r: dict[str, dict]) -> str:
     out = ["# Benchmark figures", "",
            "<!-- Written by `python -m bench.tables` from bench/published/; do not edit by hand. -->", "",
@@ -222,6 +229,11 @@ def render_page(r: dict[str, dict]) -> str:
         out += ["## Jobs API: what a job adds, and units on one Redis", "", jobs_tables(r["jobs"]), ""]
     if "batching" in r:
         out += ["## Batching against a simulated accelerator", "", batching_table(r["batching"]), ""]
+    if "batching-openloop" in r:
+        out += ["## Batching under open-loop and bursty arrivals", "",
+                f"Poisson arrivals at a rate, or bursts of {r['batching-openloop'].get('burst', '?')}, "
+                f"{r['batching-openloop'].get('duration_s', '?')} s each (`bench/batching_openloop.py`):", "",
+                openloop_table(r["batching-openloop"]), ""]
     gpu = gpu_tables(r)
     if gpu:
         out += ["## On a GPU", "", *gpu]
