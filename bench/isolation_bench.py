@@ -77,6 +77,18 @@ def onecard_run(duration: float, conc: int) -> dict:
                        f"http://127.0.0.1:{img2img['port']}/api/v1/img2img?style=3", duration, conc)
 
 
+def table_rows(name: str, doc: dict) -> list[tuple]:
+    """detect alone and beside saturated img2img, as table rows."""
+    rows = []
+    for which in ("alone", "loaded"):
+        d = doc[which]["detect"]
+        i = doc[which].get("img2img", {})
+        rows.append((name, "detect alone" if which == "alone" else "detect + img2img saturated",
+                     d["p50_ms"], d["p95_ms"], d["p99_ms"], d["throughput_rps"], i.get("throughput_rps", "-"),
+                     {**d["statuses"], **({"img2img": i["statuses"]} if i else {})}))
+    return rows
+
+
 def gpu_run(duration: float, conc: int, model: Path, mps: bool) -> dict:
     """detect alone, then beside img2img kept busy by `conc` clients, both on the card."""
     tmp = Path(tempfile.mkdtemp(prefix="onecard-iso-gpu-"))
@@ -103,14 +115,7 @@ def gpu_main(args) -> int:
     runs = {"time_sliced": gpu_run(args.duration, args.img2img_concurrency, model, mps=False)}
     if shutil.which("nvidia-cuda-mps-control"):
         runs["mps"] = gpu_run(args.duration, args.img2img_concurrency, model, mps=True)
-    rows = []
-    for name, doc in runs.items():
-        for which in ("alone", "loaded"):
-            d = doc[which]["detect"]
-            i = doc[which].get("img2img", {})
-            rows.append((name, "detect alone" if which == "alone" else "detect + img2img saturated",
-                         d["p50_ms"], d["p95_ms"], d["p99_ms"], d["throughput_rps"], i.get("throughput_rps", "-"),
-                         {**d["statuses"], **({"img2img": i["statuses"]} if i else {})}))
+    rows = [row for name, doc in runs.items() for row in table_rows(name, doc)]
     ratios = {name: doc["loaded"]["detect"]["p99_ms"] / doc["alone"]["detect"]["p99_ms"] for name, doc in runs.items()}
     doc = {"duration_s": args.duration, "img2img_concurrency": args.img2img_concurrency, "detect": GPU_DETECT,
            "img2img": GPU_IMG2IMG, "runs": runs, "detect_p99_loaded_over_alone": ratios,
@@ -194,14 +199,7 @@ def main() -> int:
 
     ours_ratio = p99(ours, "loaded") / p99(ours, "alone")
     vs_naive = p99(naive, "loaded") / p99(ours, "loaded")
-    rows = []
-    for name, doc in (("onecard", ours), ("naive", naive)):
-        for which in ("alone", "loaded"):
-            d = doc[which]["detect"]
-            i = doc[which].get("img2img", {})
-            rows.append((name, "detect alone" if which == "alone" else "detect + img2img saturated",
-                         d["p50_ms"], d["p95_ms"], d["p99_ms"], d["throughput_rps"], i.get("throughput_rps", "-"),
-                         {**d["statuses"], **({"img2img": i["statuses"]} if i else {})}))
+    rows = [row for name, doc in (("onecard", ours), ("naive", naive)) for row in table_rows(name, doc)]
     doc = {"duration_s": args.duration, "img2img_concurrency": args.img2img_concurrency, "detect": DETECT,
            "img2img": IMG2IMG, "onecard": ours, "naive": naive, "img2img_throughput": thr,
            "detect_p99_loaded_over_alone": ours_ratio, "naive_p99_over_onecard_p99_loaded": vs_naive,

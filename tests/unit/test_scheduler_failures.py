@@ -16,6 +16,17 @@ from services.runtime.pipeline.timing import Timing
 from tests.fakes.model_backend import Client, Item, dropped, hold, run, scheduler, until
 
 
+async def batch_of_two_that_runs_out_of_memory(sched, backend) -> None:
+    """o1 and o2 queued behind a held call, so that they run as one batch, which o1 makes
+    run out of memory (then each is retried alone)."""
+    backend.raise_on_batch = "o1"
+    blocker = await hold(sched, backend)
+    tasks = [asyncio.ensure_future(sched.submit([Item(n)], None, Timing(), None)) for n in ("o1", "o2")]
+    await until(lambda: sched.pending_items == 2)
+    backend.gate.set()
+    await asyncio.gather(blocker, *tasks)
+
+
 def test_a_bad_item_fails_alone_and_a_raising_batch_is_retried_item_by_item():
     async def main():
         sched, backend = scheduler()
@@ -115,12 +126,7 @@ def test_out_of_memory_is_a_503_with_retry_after_logged_and_counted(caplog):
 def test_an_out_of_memory_batch_logs_the_error_and_frees_memory_once_before_the_retries(caplog):
     async def main():
         sched, backend = scheduler()
-        backend.raise_on_batch = "o1"
-        blocker = await hold(sched, backend)
-        tasks = [asyncio.ensure_future(sched.submit([Item(n)], None, Timing(), None)) for n in ("o1", "o2")]
-        await until(lambda: sched.pending_items == 2)
-        backend.gate.set()
-        await asyncio.gather(blocker, *tasks)
+        await batch_of_two_that_runs_out_of_memory(sched, backend)
         await sched.stop()
         return backend.freed
 
@@ -233,12 +239,7 @@ def test_memory_is_freed_on_the_worker_thread_never_on_the_event_loop():
         sched, backend = scheduler()
         loop_thread, threads = threading.current_thread(), []
         backend.on_out_of_memory = lambda: threads.append(threading.current_thread())
-        backend.raise_on_batch = "o1"
-        blocker = await hold(sched, backend)
-        tasks = [asyncio.ensure_future(sched.submit([Item(n)], None, Timing(), None)) for n in ("o1", "o2")]
-        await until(lambda: sched.pending_items == 2)
-        backend.gate.set()
-        await asyncio.gather(blocker, *tasks)
+        await batch_of_two_that_runs_out_of_memory(sched, backend)
 
         def oom(items):
             raise RuntimeError("CUDA out of memory")
