@@ -124,6 +124,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--strength", type=float, default=0.75)
     ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY),
+                    help="client counts to measure (default: 1 4 8)")
     args = ap.parse_args()
 
     from tests.models import tiny_sd_img2img
@@ -170,7 +172,7 @@ def main() -> int:
     with service("services.img2img.app:create_app", settings, threads=threads) as svc:
         url = svc.url + "/api/v1/img2img" + query
         asyncio.run(run_load(url, body, {"content-type": "image/png"}, 2, total=4, timeout_s=600))
-        for c in CONCURRENCY:
+        for c in args.concurrency:
             batch = min(c, args.max_batch)
             call = bare_batch(batch)
             call(0)  # warm
