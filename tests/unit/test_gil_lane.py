@@ -6,10 +6,12 @@ codecs.gil_lane, json_big_strings, fresh_bytes)."""
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import os
 import sys
 import threading
+import time
 import weakref
 
 import pytest
@@ -35,14 +37,62 @@ def _finishes_only_after_the_lane_is_free(work) -> bool:
     return held_back and done.is_set()
 
 
-@pytest.mark.parametrize("step", ["json", "base64 in", "base64 out", "multipart"])
+@pytest.mark.parametrize("step", ["json", "multipart"])
 def test_big_gil_bound_steps_wait_for_the_lane(step):
     doc = json.dumps({"image": "x" + BIG[1:] + "\\n", "n": 1}).encode()  # an escape: all of it goes to json.loads
     form = b"--b\r\nContent-Disposition: form-data; name=\"f\"\r\n\r\n" + BIG.encode() + b"\r\n--b--\r\n"
-    work = {"json": lambda: parse_json(doc, 16), "base64 in": lambda: decode_base64(BIG, "image"),
-            "base64 out": lambda: encode_base64(os.urandom(300_000)),
+    work = {"json": lambda: parse_json(doc, 16),
             "multipart": lambda: parse_multipart(form, "multipart/form-data; boundary=b", 4)}[step]
     assert _finishes_only_after_the_lane_is_free(work)
+
+
+def _other_threads_ran_during(work, tries: int = 3) -> bool:
+    """Whether another thread ran while `work` ran, with forced GIL switches turned off (a 10 s
+    interval): it can then only run while `work` has released the GIL. Work that keeps the
+    GIL throughout never lets it; the other thread may also just not be scheduled in the
+    few milliseconds the work takes on a busy machine, hence a few tries."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(10)
+    try:
+        for _ in range(tries):
+            span, stamps, done = [], [], threading.Event()
+
+            def run(span=span, done=done):
+                t0 = time.perf_counter()
+                work()
+                span.extend((t0, time.perf_counter()))
+                done.set()
+
+            th = threading.Thread(target=run)
+            th.start()
+            while not done.is_set():
+                stamps.append(time.perf_counter())
+                time.sleep(0.0001)
+            th.join()
+            if any(span[0] < t < span[1] for t in stamps):
+                return True
+        return False
+    finally:
+        sys.setswitchinterval(before)
+
+
+HUGE = 48 << 20   # big enough that even libbase64 takes a few milliseconds on it
+
+
+@pytest.mark.parametrize("step", ["base64 in", "base64 in, data: URL", "base64 out", "fresh bytes copy"])
+def test_base64_and_big_copies_release_the_gil(step):
+    raw = os.urandom(HUGE)
+    text = base64.b64encode(raw).decode()
+    work = {"base64 in": lambda: decode_base64(text, "image"),
+            "base64 in, data: URL": lambda: decode_base64("data:image/png;base64," + text, "image"),
+            "base64 out": lambda: encode_base64(raw),
+            "fresh bytes copy": lambda: FreshBytes(len(raw)).write(raw)}[step]
+    assert _other_threads_ran_during(work)
+
+
+def test_the_gil_check_sees_work_that_keeps_the_gil():
+    text = base64.b64encode(os.urandom(HUGE // 4)).decode()
+    assert not _other_threads_ran_during(lambda: binascii.a2b_base64(text, strict_mode=True), tries=1)
 
 
 def test_small_work_does_not_wait_for_the_lane():

@@ -6,6 +6,11 @@ the probes waited. Here the object is made uninitialised (``PyBytes_FromStringAn
 n)``: its pages are untouched until written, so memory grows as pieces arrive), the pieces
 are copied into it, and it is handed out only once every byte is written. Nothing else sees
 it before, so it is as immutable to its readers as any other ``bytes``.
+
+Big pieces are copied by ``memmove`` through ctypes, which releases the GIL for the call: the
+copy, and the page faults of first writes into fresh pages, no longer hold the event loop
+(a slice assignment keeps the GIL for all of it: 84 ms for 200 MB, against a 1 ms sleep
+that overshot by 12 ms at most beside memmove).
 """
 
 from __future__ import annotations
@@ -26,6 +31,35 @@ _str_address = ctypes.pythonapi.PyUnicode_AsUTF8AndSize  # a compact ASCII str's
 _str_address.restype, _str_address.argtypes = ctypes.c_void_p, (ctypes.py_object, ctypes.c_void_p)
 
 
+class _Buffer(ctypes.Structure):
+    """Py_buffer (part of the stable ABI since 3.11); `obj` as a plain pointer, so that ctypes
+    leaves its reference to PyBuffer_Release."""
+    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t),
+                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.restype, _get_buffer.argtypes = ctypes.c_int, (ctypes.py_object, ctypes.POINTER(_Buffer), ctypes.c_int)
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.restype, _release_buffer.argtypes = None, (ctypes.POINTER(_Buffer),)
+_PYBUF_SIMPLE = 0           # one contiguous run of bytes, or BufferError
+GIL_FREE_COPY_BYTES = 64 * 1024   # below this, a slice assignment is quicker than the ctypes calls
+
+
+def copy_into(address: int, piece: bytes | bytearray | memoryview) -> None:
+    """memmove `piece`'s bytes to `address`, with the GIL released for the copy (ctypes
+    releases it around every foreign call but the Python API's). The piece must be one
+    contiguous run of bytes (BufferError otherwise)."""
+    view = _Buffer()
+    _get_buffer(piece, ctypes.byref(view), _PYBUF_SIMPLE)
+    try:
+        ctypes.memmove(address, view.buf, view.len)
+    finally:
+        _release_buffer(ctypes.byref(view))
+
+
 class FreshBytes:
     """Raises MemoryError when the allocator refuses the size up front (a strict overcommit
     policy may: untouched pages cost nothing otherwise)."""
@@ -35,7 +69,8 @@ class FreshBytes:
             raise ValueError("FreshBytes is for big objects")
         self.size = 0
         self._data: bytes | str | None = self._new(size)
-        raw = (ctypes.c_char * size).from_address(self._address(self._data))
+        self._start = self._address(self._data)
+        raw = (ctypes.c_char * size).from_address(self._start)
         raw.owner = self._data  # a view of it (written()) keeps the object alive, even past take()
         self._view: memoryview | None = memoryview(raw).cast("B")
 
@@ -52,11 +87,26 @@ class FreshBytes:
         return len(self._view) if self._view is not None else 0
 
     def write(self, piece: bytes | bytearray | memoryview) -> None:
-        end = self.size + len(piece)
+        data = memoryview(piece)
+        end = self.size + data.nbytes
         if self._view is None or end > len(self._view):
             raise ValueError("more bytes than the object holds")
-        self._view[self.size:end] = piece
+        if not data.contiguous:
+            self._view[self.size:end] = data
+        elif data.nbytes >= GIL_FREE_COPY_BYTES:
+            copy_into(self._start + self.size, data)  # within the object: `end` was checked above
+        else:
+            self._view[self.size:end] = data.cast("B")
         self.size = end
+
+    def reserve(self, n: int) -> int:
+        """Room for the next `n` bytes, to be written by the caller at the address returned
+        (services.runtime.codecs.copy_behind); take() still wants every byte reserved."""
+        end = self.size + n
+        if self._view is None or end > len(self._view) or n < 0:
+            raise ValueError("more bytes than the object holds")
+        address, self.size = self._start + self.size, end
+        return address
 
     def fill_from(self, fd: int) -> None:
         """Read the rest from a file descriptor, straight into the object (the kernel copies,
