@@ -63,5 +63,5 @@ def test_a_body_that_is_not_its_declared_length_is_refused():
     shorter = BodyBuffer(DIRECT_MIN_BYTES)
     shorter.add(b"x" * (DIRECT_MIN_BYTES - 1))
     with pytest.raises(ApiError) as err:
-        shorter.take()
+        asyncio.run(shorter.take())
     assert err.value.status == 400

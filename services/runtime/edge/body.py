@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from starlette.requests import ClientDisconnect, Request
 
+from services.runtime.codecs.copy_behind import CopyBehind
 from services.runtime.codecs.fresh_bytes import FreshBytes
 from services.runtime.edge.json_items import CLOSE, JsonItemCounter, is_json_media
 from services.runtime.errors import ApiError, ClientGone
@@ -41,15 +42,16 @@ DIRECT_MIN_BYTES = 1 << 20
 
 
 class BodyBuffer:
-    """The body's bytes as they arrive: in place when the length is known ahead, else in a
-    bytearray copied once at the end."""
+    """The body's bytes as they arrive: in place when the length is known ahead (the copies
+    made off the loop, services.runtime.codecs.copy_behind), else in a bytearray copied once
+    at the end."""
 
     def __init__(self, expected: int | None):
-        self._direct: FreshBytes | None = None
+        self._direct: CopyBehind | None = None
         self._grown = bytearray()
         if expected is not None and expected >= DIRECT_MIN_BYTES:
             try:
-                self._direct = FreshBytes(expected)
+                self._direct = CopyBehind(FreshBytes(expected))
             except MemoryError:
                 pass
 
@@ -68,11 +70,11 @@ class BodyBuffer:
     def before(self) -> memoryview | bytearray:
         return self._direct.written() if self._direct is not None else self._grown
 
-    def take(self) -> bytes:
+    async def take(self) -> bytes:
         if self._direct is None:
             return bytes(self._grown)
         try:
-            return self._direct.take()
+            return await self._direct.take()
         except ValueError:  # the server ends a body at its length: this cannot be short
             raise ApiError(400, "bad_request", "the body is shorter than its Content-Length", CLOSE) from None
 
@@ -116,4 +118,4 @@ async def read_body(request: Request, max_bytes: int, hold: Callable[[int], Awai
                     await pending
     except ClientDisconnect:  # left mid-upload (or cut at the body deadline): nobody to answer
         raise ClientGone() from None
-    return buf.take()
+    return await buf.take()

@@ -34,6 +34,7 @@ import asyncio
 from typing import Any
 
 import httptools
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from common.socket_queues import has_bytes_waiting
@@ -409,7 +410,16 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
 
         def on_body(self, body: bytes) -> None:
             self._body_data += len(body)
-            super().on_body(body)
+            cycle = self.cycle
+            if cycle.body or cycle.response_complete or self.parser.should_upgrade():
+                super().on_body(body)
+                return
+            # The piece itself, as uvicorn's receive() hands it on (bytes() of a bytes object is
+            # that object): its bytearray would copy every byte of every upload twice on the loop.
+            cycle.body = body
+            if len(body) > HIGH_WATER_LIMIT:
+                self.flow.pause_reading()
+            cycle.message_event.set()
 
         def on_message_complete(self) -> None:
             self._phase = IDLE
