@@ -69,3 +69,22 @@ def test_more_than_the_object_holds_is_refused_before_anything_is_queued():
     with pytest.raises(ValueError):
         out.write(os.urandom(BIG + 1))
     assert out.size == 0
+
+
+def test_a_copy_that_fails_fails_the_take_and_the_copier_goes_on(monkeypatch):
+    real, calls = copy_behind.copy_into, []
+
+    def flaky(address, piece):
+        calls.append(len(piece))
+        if len(calls) == 1:
+            raise BufferError("refused")
+        real(address, piece)
+    monkeypatch.setattr(copy_behind, "copy_into", flaky)
+    broken = CopyBehind(FreshBytes(BIG))
+    broken.write(os.urandom(BIG))
+    with pytest.raises(RuntimeError):
+        asyncio.run(broken.take())
+    data = os.urandom(BIG)
+    fine = CopyBehind(FreshBytes(BIG))
+    fine.write(data)                 # the same copier thread, still there
+    assert asyncio.run(asyncio.wait_for(fine.take(), 10)) == data

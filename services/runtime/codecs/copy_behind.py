@@ -38,11 +38,13 @@ class _Copier:
     def _run(self) -> None:
         while True:
             owner, address, piece = self._queue.get()
+            failed = None
             try:
                 copy_into(address, piece)
-            finally:
-                owner._copied()
-            del owner, piece  # nothing kept alive while the queue is empty
+            except Exception as exc:  # noqa: BLE001 -- the thread must outlive it: the next bodies wait on it
+                failed = exc
+            owner._copied(failed)
+            del owner, piece, failed  # nothing kept alive while the queue is empty
 
 
 _COPIER = _Copier()
@@ -57,6 +59,7 @@ class CopyBehind:
         self._pending = 0
         self._in_place = 0                # every byte before this offset is written
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
+        self._failed: BaseException | None = None
 
     @property
     def size(self) -> int:
@@ -87,8 +90,10 @@ class CopyBehind:
             end = self.target.size if self._pending == 0 else self._in_place
         return self.target.written()[:end]
 
-    def _copied(self) -> None:
+    def _copied(self, failed: BaseException | None = None) -> None:
         with self._lock:
+            if failed is not None and self._failed is None:
+                self._failed = failed
             self._pending -= 1
             waiter = self._waiter if self._pending == 0 else None
             if waiter is not None:
@@ -112,6 +117,8 @@ class CopyBehind:
 
     async def take(self) -> bytes:
         await self.settled()
+        if self._failed is not None:  # never hand out an object with a hole in it
+            raise RuntimeError("a piece of the body could not be copied") from self._failed
         return self.target.take()
 
 
