@@ -23,7 +23,7 @@ import cv2
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from services.runtime.codecs import jpeg
+from services.runtime.codecs import exif, jpeg
 from services.runtime.codecs import png_bmp as formats
 from services.runtime.codecs.encoder_limits import check_encodable
 from services.runtime.codecs.fresh_bytes import joined
@@ -96,16 +96,18 @@ def probe_image(data: bytes, limits: DecodeLimits) -> ImageHeader:
     """Format, size and orientation from the header; 413 for what would cost too much to decode."""
     if not data:
         raise ApiError(400, "empty_image", "the image is empty")
-    png = None
+    png = jpg = None
+    source = data
     try:
         if data[:2] == b"\xff\xd8":
-            jpeg.walk(data, limits.max_jpeg_scans, limits.max_image_markers)
+            jpg = jpeg.walk(data, limits.max_jpeg_scans, limits.max_image_markers)
+            source = jpeg.header_for_pillow(data, jpg)
         elif data[:8] == formats.PNG_SIGNATURE:
             png = formats.walk_png(data, limits.max_image_markers)
     except (jpeg.JpegLimitError, formats.FormatLimitError) as exc:
         raise ApiError(413, "image_too_complex", f"{exc}: decoding it would cost too much") from None
     try:
-        im = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
+        im = Image.open(io.BytesIO(source), formats=ALLOWED_FORMATS)
     except UnidentifiedImageError:
         if _looks_allowed(data):  # the right magic bytes, broken inside
             raise ApiError(400, "corrupt_image", "the image header is corrupt") from None
@@ -119,7 +121,7 @@ def probe_image(data: bytes, limits: DecodeLimits) -> ImageHeader:
         if width * height > limits.max_pixels:
             raise ApiError(413, "too_many_pixels",
                            f"{width}x{height} = {width * height} pixels is over the limit of {limits.max_pixels}")
-        orientation = _orientation(im, png)
+        orientation = _orientation(im, png, jpg)
         fmt = im.format or ""
         animated = _animated(data, fmt, png)
     if orientation not in range(1, 9):
@@ -138,24 +140,20 @@ def _animated(data: bytes, fmt: str, png: formats.PngShape | None) -> bool:
     return fmt == "PNG" and png is not None and png.animated
 
 
-def _orientation(im: Image.Image, png: formats.PngShape | None) -> int:
-    """The EXIF orientation, read without decoding a pixel and within a size bound: a PNG's from
-    its eXIf chunk (Pillow's getexif() would decode the picture to look for one), a JPEG's or
-    WebP's from Pillow's header parse. An EXIF block over MAX_EXIF_BYTES, or a broken one, is
-    not worth refusing the picture for: orientation 1."""
-    try:
-        if png is not None:
-            if png.exif is None or len(png.exif) > MAX_EXIF_BYTES:
-                return 1
-            exif = Image.Exif()
-            exif.load(png.exif)
-            return int(exif.get(0x0112, 1))
+def _orientation(im: Image.Image, png: formats.PngShape | None, jpg: jpeg.JpegShape | None) -> int:
+    """The EXIF orientation, read without decoding a pixel and within bounds
+    (services.runtime.codecs.exif): a PNG's from its eXIf chunk, a JPEG's from the block its
+    walk found, a WebP's from Pillow's header parse. An EXIF block over MAX_EXIF_BYTES, or a
+    broken one, is not worth refusing the picture for: orientation 1."""
+    if png is not None:
+        raw = png.exif
+    elif jpg is not None:
+        raw = jpg.exif
+    else:
         raw = im.info.get("exif")
-        if isinstance(raw, bytes) and len(raw) > MAX_EXIF_BYTES:
-            return 1
-        return int(im.getexif().get(0x0112, 1))
-    except Exception:  # noqa: BLE001 - any EXIF failure is the caller's data, never a 5xx
+    if not isinstance(raw, bytes) or len(raw) > MAX_EXIF_BYTES:
         return 1
+    return exif.orientation(raw)
 
 
 def reduction_for(header: ImageHeader, max_side: int | None) -> int:
