@@ -368,3 +368,81 @@ def test_the_depth_scan_is_linear_in_a_string_left_open():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd=str(__import__("tests.harness", fromlist=["ROOT"]).ROOT))
     assert done.stdout.strip() == "json_too_complex", done.stderr
+
+
+def test_lingering_sockets_drain_no_faster_than_the_drain_rate_and_the_client_still_finishes():
+    """Real sockets: a client that keeps sending after its answer is read no faster than the
+    shared drain rate (draining 4 GB/s of refused bodies took half of a loop's time), is not
+    taken for silent while its reads are put off, and its connection still ends cleanly once
+    it stops sending."""
+    import asyncio
+    import socket
+    import threading
+    import time
+
+    from services.runtime.edge.lingering_close import DrainRate, LingeringClose
+
+    rate, burst = 1 << 20, 1 << 20
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        lingering = LingeringClose(limit=4, idle_s=0.02, total_s=60)  # idle shorter than a pause
+        lingering.drain_rate = DrainRate(rate, burst)
+        ours, theirs = socket.socketpair()
+        sent, failed = [0], []
+
+        def client():  # sends as fast as the socket takes it for 1.5 s
+            theirs.settimeout(5)
+            end = time.monotonic() + 1.5
+            chunk = b"z" * 65536
+            try:
+                while time.monotonic() < end:
+                    sent[0] += theirs.send(chunk)
+                theirs.shutdown(socket.SHUT_WR)
+            except OSError as exc:  # closed under it: taken for gone while it was sending
+                failed.append(exc)
+        try:
+            ours.sendall(b"HTTP/1.1 413 \r\n\r\n")  # the answer, waiting in the client's queue
+            theirs.sendall(b"x" * 1000)
+            assert lingering.adopt(loop, ours, body_unfinished=True)
+            ours.close()
+            t0 = time.monotonic()
+            th = threading.Thread(target=client)
+            th.start()
+            while th.is_alive():
+                await asyncio.sleep(0.05)
+                assert lingering.drained_bytes <= burst + rate * (time.monotonic() - t0) + (1 << 20)
+            th.join()
+            assert not failed and lingering.paused > 0  # put off, never dropped as idle
+            deadline = time.monotonic() + 30
+            while lingering.count and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert lingering.count == 0 and lingering.drained_bytes >= sent[0]  # it ran to the client's end
+            assert theirs.recv(100).startswith(b"HTTP/1.1 413")  # the answer, not a reset
+        finally:
+            ours.close()
+            theirs.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_quick_depth_bound_agrees_with_the_running_sum():
+    """nests_deeper_than peels innermost pairs before it sums: on random documents (strings,
+    escapes, cut anywhere) its answer is the running sum's at every depth limit."""
+    import itertools
+    import random
+
+    from services.runtime.edge import json_items as J
+
+    def by_sum(data: bytes, depth: int) -> bool:
+        b = J._STRING.sub(b"", data[:J.DEPTH_SCAN_MAX]).translate(None, J._BRACKETS_ONLY)
+        return bool(b) and max(itertools.accumulate(map(J._STEP.__getitem__, b))) > depth
+
+    rng = random.Random(7)
+    parts = [b"[", b"]", b"{", b"}", b",", b'"a[b"', b"1", b'"\\"["', b"[]", b"[[]]"]
+    for _ in range(20_000):
+        doc = b"".join(rng.choice(parts) for _ in range(rng.randint(0, 50)))
+        for depth in (1, 2, 3, 5, 9, 32):
+            assert nests_deeper_than(doc, depth) == by_sum(doc, depth), (doc, depth)
+    wide = b"[" + b"[]," * 30_000          # the refused stream's shape: one pass decides it
+    assert not nests_deeper_than(wide, 32) and nests_deeper_than(b"[" * 33, 32)

@@ -28,6 +28,8 @@ from services.runtime.errors import ApiError
 _STRING = re.compile(rb'"(?>[^"\\]*(?:\\.[^"\\]*)*)(?:"|\\?\Z)', re.DOTALL)  # DOTALL: a backslash escapes any byte
 _BRACKETS_ONLY = bytes(b for b in range(256) if b not in b"[]{}")
 _STEP = [1 if b in b"[{" else -1 for b in range(256)]
+_AS_PARENS = bytes.maketrans(b"[{]}", b"(())")
+QUICK_PASSES = 8
 # How much of a body refused for its items is looked at for its depth: the scan is C
 # iterators, but at the edge it runs on the event loop (about 25 ms a MiB of brackets; a MiB
 # took the loop 5 to 25 ms at every refusal of a stream of `[]` bodies). A deep document is
@@ -70,9 +72,22 @@ def nests_deeper_than(data: bytes | bytearray, max_depth: int) -> bool:
     """Do the arrays and objects of ``data`` (a JSON text, or the start of one; only its first
     DEPTH_SCAN_MAX bytes are looked at) nest deeper than ``max_depth``? Strings are dropped,
     the brackets kept, and the running depth (+1 for an opening bracket, -1 for a closing
-    one) is summed by C iterators."""
+    one) is summed by C iterators: 1.6 ms for 64 KB of brackets, at every refusal of a stream
+    of `[][]...` bodies, on the event loop. So first the innermost pairs are peeled off, a
+    pass at a time (each a C-speed replace): when a few passes leave only opening brackets,
+    the depth is at most the passes plus those, and a document within that bound is shallow
+    without the sum."""
     brackets = _STRING.sub(b"", bytes(data[:DEPTH_SCAN_MAX])).translate(None, _BRACKETS_ONLY)
-    return bool(brackets) and max(itertools.accumulate(map(_STEP.__getitem__, brackets))) > max_depth
+    if not brackets:
+        return False
+    parens = brackets.translate(_AS_PARENS)
+    for passes in range(1, QUICK_PASSES + 1):
+        parens = parens.replace(b"()", b"")
+        if b"()" not in parens:
+            if b")" not in parens and passes + len(parens) <= max_depth:
+                return False
+            break
+    return max(itertools.accumulate(map(_STEP.__getitem__, brackets))) > max_depth
 
 
 def check_json_items(body: bytes | bytearray, max_items: int, max_depth: int | None = None) -> None:
