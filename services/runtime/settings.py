@@ -44,6 +44,10 @@ class ServiceSettings(BaseModel):
     min_body_chunk_bytes: int = Field(1024, ge=0, le=2**20,
                                       description="a chunked body whose chunks average fewer bytes than this "
                                       "after its first 1024 chunks gets 413 (0: no minimum)")
+    lingering_drain_bytes_s: int = Field(256 * 2**20, ge=2**20, le=2**40,
+                                         description="what the connections answered before their body ended "
+                                         "may send after the answer, read and dropped, per second in all; "
+                                         "beyond, their reads wait")
     keepalive_timeout_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False,
                                        description="an idle kept-alive connection is closed after this")
     send_timeout_s: float = Field(30.0, gt=0, le=3600, allow_inf_nan=False,

@@ -446,3 +446,14 @@ def test_the_quick_depth_bound_agrees_with_the_running_sum():
             assert nests_deeper_than(doc, depth) == by_sum(doc, depth), (doc, depth)
     wide = b"[" + b"[]," * 30_000          # the refused stream's shape: one pass decides it
     assert not nests_deeper_than(wide, 32) and nests_deeper_than(b"[" * 33, 32)
+
+
+def test_the_drain_rate_comes_from_the_settings():
+    from services.runtime.edge.connection_limits import limits_from_settings
+    from services.runtime.edge.protocol import guarded_protocol
+    from services.runtime.settings import ServiceSettings
+
+    limits = limits_from_settings(ServiceSettings(lingering_drain_bytes_s=3 << 20), fds=4096)
+    assert limits.lingering_drain_bytes_s == 3 << 20
+    assert guarded_protocol(limits).lingering.drain_rate.rate == 3 << 20
+    assert limits_from_settings(ServiceSettings(), fds=4096).lingering_drain_bytes_s == 256 << 20

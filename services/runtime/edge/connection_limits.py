@@ -23,6 +23,7 @@ class ConnectionLimits:
     min_body_rate_bytes_s: int = 64 * 1024
     body_rate_grace_s: float = 5.0
     min_body_chunk_bytes: int = 1024
+    lingering_drain_bytes_s: int = 256 * 2**20
 
     @property
     def max_body_framing_bytes(self) -> int:

@@ -41,7 +41,7 @@ CUT_TOTAL_S = 2.0
 # again and again after their 413 had the loop draining 4 GB/s, half of its time, and the
 # probes waited. Past the rate a socket is read again only when the rate allows; a client
 # sending its body regardless then takes longer to get to its answer, nothing more.
-DRAIN_BYTES_PER_S = 256 * 1024 * 1024
+DRAIN_BYTES_PER_S = 256 * 1024 * 1024   # the setting lingering_drain_bytes_s
 DRAIN_BURST_BYTES = 4 * READ_BYTES
 
 
@@ -61,12 +61,13 @@ class DrainRate:
 
 
 class LingeringClose:
-    def __init__(self, limit: int, idle_s: float = IDLE_S, total_s: float = TOTAL_S):
+    def __init__(self, limit: int, idle_s: float = IDLE_S, total_s: float = TOTAL_S,
+                 drain_bytes_s: float = DRAIN_BYTES_PER_S):
         self.limit, self.idle_s, self.total_s = limit, idle_s, total_s
         self.drained_bytes = 0
         self.cut_short = 0  # lingering sockets closed early to make room for a newer one
         self._buffer = bytearray(READ_BYTES)
-        self.drain_rate = DrainRate()
+        self.drain_rate = DrainRate(drain_bytes_s, max(DRAIN_BURST_BYTES, drain_bytes_s / 16))
         self.paused = 0  # reads put off for the drain rate
         self._kept: dict[socket.socket, Callable[[], None]] = {}  # insertion order: oldest first
 

@@ -55,7 +55,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
     if linger is None:
         linger = KernelQueueLinger(limits.send_timeout_s, limits.max_connections)
     room = ConnectionRoom(limits.max_connections)
-    lingering = LingeringClose(limits.max_connections)
+    lingering = LingeringClose(limits.max_connections, drain_bytes_s=limits.lingering_drain_bytes_s)
 
     def too_large(what: str) -> Refusal:
         return Refusal(431, "headers_too_large", what, "headers_too_large")
@@ -427,4 +427,5 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 self._body_rate.stop()
             super().on_message_complete()
 
+    GuardedHttpProtocol.lingering = lingering  # shared by its connections: seen by /metrics and tests
     return GuardedHttpProtocol
