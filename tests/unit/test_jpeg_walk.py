@@ -74,8 +74,15 @@ def test_an_empty_segment_is_valid_and_a_length_below_two_ends_the_walk():
     assert shape(SOI + COM + b"\xff\xfe\x00\x01" + COM * 3 + EOI) == JpegShape(0, 2, False)
 
 
+def test_junk_between_segments_is_skipped_as_libjpeg_skips_it():
+    """libjpeg decodes past extraneous bytes before a marker (0xFF00 among them): so is the
+    walk, or they would hide the scans after them from the limits."""
+    assert shape(SOI + COM + b"\x00\x00\x00\x00" + COM * 3) == JpegShape(0, 4, False)
+    assert shape(SOI + COM + b"\xff\x00\x12" + b"\xff\xff" + COM + SOS + ENTROPY + EOI) == JpegShape(1, 3, False)
+
+
 def test_malformed_structure_ends_the_walk_with_what_was_counted():
-    assert shape(SOI + COM + b"\x00\x00\x00\x00" + COM * 3) == JpegShape(0, 1, False)
+    assert shape(SOI + COM + b"\x00\x00\x00\x00" + b"\x12" * 8) == JpegShape(0, 1, False)  # no marker after
     truncated = SOI + COM + SOS + b"\x12\x34\xff\x00\x56"  # entropy data with no marker after it
     assert shape(truncated) == JpegShape(1, 2, False)
 

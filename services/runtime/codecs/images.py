@@ -143,17 +143,21 @@ def _animated(data: bytes, fmt: str, png: formats.PngShape | None) -> bool:
 def _orientation(im: Image.Image, png: formats.PngShape | None, jpg: jpeg.JpegShape | None) -> int:
     """The EXIF orientation, read without decoding a pixel and within bounds
     (services.runtime.codecs.exif): a PNG's from its eXIf chunk, a JPEG's from the block its
-    walk found, a WebP's from Pillow's header parse. An EXIF block over MAX_EXIF_BYTES, or a
-    broken one, is not worth refusing the picture for: orientation 1."""
+    walk found, a WebP's from Pillow's header parse; a JPEG's or WebP's from its XMP packet
+    when the EXIF block has no orientation entry, as Pillow's getexif() does. An EXIF block
+    over MAX_EXIF_BYTES, or a broken one, is not worth refusing the picture for: orientation 1."""
     if png is not None:
         raw = png.exif
     elif jpg is not None:
         raw = jpg.exif
     else:
         raw = im.info.get("exif")
-    if not isinstance(raw, bytes) or len(raw) > MAX_EXIF_BYTES:
+    if raw is not None and (not isinstance(raw, bytes) or len(raw) > MAX_EXIF_BYTES):
         return 1
-    return exif.orientation(raw)
+    found = exif.orientation_entry(raw)
+    if found is None and png is None:
+        return exif.xmp_orientation(im.info.get("xmp"))
+    return found or 1
 
 
 def reduction_for(header: ImageHeader, max_side: int | None) -> int:

@@ -37,6 +37,8 @@ class JpegShape:
     header_end: int = field(default=0, compare=False)
     tiff_markers: tuple[int, ...] = field(default=(), compare=False)
     exif: bytes | None = field(default=None, compare=False)
+    # (start, end) of the extraneous bytes skipped before the header's end
+    junk: tuple[tuple[int, int], ...] = field(default=(), compare=False)
 
 
 class JpegLimitError(Exception):
@@ -52,10 +54,19 @@ def walk(data: bytes, max_scans: int, max_markers: int) -> JpegShape:
     if data[:2] != bytes((0xFF, SOI)):  # not a JPEG: nothing to walk
         return JpegShape(0, 0, False)
     pos, scans, markers, progressive = 2, 0, 0, False
-    header_end, tiff, exif = 0, [], None
+    header_end, tiff, exif, junk = 0, [], None, []
     while pos + 4 <= n:
-        if data[pos] != 0xFF:
-            break
+        if data[pos] != 0xFF or data[pos + 1] == 0x00:
+            # Extraneous bytes before a marker (0xFF00 among them): libjpeg skips them (a
+            # warning) and decodes the rest, Pillow skips them too. Stopping here hid every
+            # scan after a junk byte from the limits.
+            m = _NEXT_MARKER.search(data, pos + 1)
+            if m is None:
+                break
+            if not header_end and pos > 2:  # (right after SOI, Pillow refuses the file: it still sees it)
+                junk.append((pos, m.start()))
+            pos = m.start()
+            continue
         marker = data[pos + 1]
         if marker == 0xFF:          # fill byte before a marker
             pos += 1
@@ -89,16 +100,20 @@ def walk(data: bytes, max_scans: int, max_markers: int) -> JpegShape:
             if m is None:
                 break
             pos = m.start()
-    return JpegShape(scans, markers, progressive, header_end or n, tuple(tiff), exif)
+    return JpegShape(scans, markers, progressive, header_end or n, tuple(tiff), exif, tuple(junk))
 
 
 def header_for_pillow(data: bytes, shape: JpegShape) -> bytes:
     """What Pillow needs to read a JPEG's format and size: the header up to the first scan,
     with its EXIF and MPF blocks renamed APP15, which Pillow keeps as they are instead of
-    parsing every tag (the orientation is read by services.runtime.codecs.exif, in bounds)."""
-    if not shape.tiff_markers:
+    parsing every tag (the orientation is read by services.runtime.codecs.exif, in bounds),
+    and without the extraneous bytes between its segments, which Pillow skips a byte at a
+    time in Python (36 ns a byte, with the GIL held: 0.7 s for a 20 MB body of them)."""
+    if not shape.tiff_markers and not shape.junk:
         return data
     head = bytearray(data[:shape.header_end])
     for at in shape.tiff_markers:
         head[at] = APP15
+    for start, end in reversed(shape.junk):
+        del head[start:end]
     return bytes(head)

@@ -17,7 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from services.runtime.codecs.copy_behind import CopyBehind
 from services.runtime.codecs.fresh_bytes import FreshBytes
-from services.runtime.edge.json_items import CLOSE, JsonItemCounter, is_json_media
+from services.runtime.edge.json_items import CLOSE, DEPTH_SCAN_MAX, JsonItemCounter, is_json_media
 from services.runtime.errors import ApiError, ClientGone
 
 
@@ -49,6 +49,10 @@ class BodyBuffer:
     def __init__(self, expected: int | None):
         self._direct: CopyBehind | None = None
         self._grown = bytearray()
+        # The body's first bytes, kept apart when it goes in place: a piece still queued for
+        # the copier is a hole in the object, and a JSON body refused for its items is
+        # answered from its start (json_items: the depth of its first DEPTH_SCAN_MAX bytes).
+        self._head = bytearray()
         if expected is not None and expected >= DIRECT_MIN_BYTES:
             try:
                 self._direct = CopyBehind(FreshBytes(expected))
@@ -59,6 +63,8 @@ class BodyBuffer:
         if self._direct is not None:
             if self.size + len(piece) > self._direct.capacity:  # (the server stops at the length anyway)
                 raise ApiError(400, "bad_request", "the body is longer than its Content-Length", CLOSE)
+            if len(self._head) < DEPTH_SCAN_MAX:
+                self._head += piece[:DEPTH_SCAN_MAX - len(self._head)]
             self._direct.write(piece)
         else:
             self._grown += piece
@@ -67,8 +73,9 @@ class BodyBuffer:
     def size(self) -> int:
         return self._direct.size if self._direct is not None else len(self._grown)
 
-    def before(self) -> memoryview | bytearray:
-        return self._direct.written() if self._direct is not None else self._grown
+    def before(self) -> bytearray:
+        """What arrived so far: all of it, or (in place) at least its first DEPTH_SCAN_MAX bytes."""
+        return self._head if self._direct is not None else self._grown
 
     async def take(self) -> bytes:
         if self._direct is None:
