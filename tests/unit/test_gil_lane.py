@@ -314,3 +314,13 @@ def test_the_jobs_loop_never_waits_for_the_lane():
         holder.join()
         executor.shutdown()
     assert not parsed_while_held and ticks > 3
+
+
+@pytest.mark.parametrize("slice_bytes", [1021, 4099, 64 * 1024 + 1])
+def test_searches_made_a_slice_at_a_time_find_what_one_search_finds(monkeypatch, slice_bytes):
+    """Quotes and backslashes are found a slice at a time (one search through a 20 MB string
+    held the GIL for milliseconds): wherever the slices end, the document parses the same."""
+    monkeypatch.setattr(json_big_strings, "FIND_SLICE", slice_bytes)
+    for doc in DOCS:
+        raw = json.dumps(doc, ensure_ascii=False).encode()
+        assert json_big_strings.loads(raw) == json.loads(raw)

@@ -53,6 +53,22 @@ def _base64_text(data: memoryview) -> str | None:
     return out.take()
 
 
+FIND_SLICE = 1 << 20
+
+
+def _find(body: bytes, byte: bytes, start: int, end: int | None = None) -> int:
+    """body.find(byte, start, end) for one byte, a slice at a time: one search through a 20 MB
+    string held the GIL (and with it the event loop) for milliseconds at a time."""
+    end = len(body) if end is None else min(end, len(body))
+    while start < end:
+        stop = min(end, start + FIND_SLICE)
+        found = in_lane(stop - start, body.find, byte, start, stop)
+        if found >= 0:
+            return found
+        start = stop
+    return -1
+
+
 def _string_end(body: bytes, start: int, quotes_left: list[int]) -> int:
     """The index of the quote that closes the string opened at `start - 1`; -1 when not found
     (or not worth finding)."""
@@ -61,7 +77,7 @@ def _string_end(body: bytes, start: int, quotes_left: list[int]) -> int:
         quotes_left[0] -= 1
         if quotes_left[0] < 0:
             return -1
-        e = in_lane(len(body) - j, body.find, b'"', j)
+        e = _find(body, b'"', j)
         if e < 0:
             return -1
         before = bytes(body[max(start, e - MAX_BACKSLASH_RUN):e])
@@ -95,13 +111,13 @@ def split_big_strings(body: bytes, max_strings: int) -> tuple[bytes, dict[str, s
     quotes_left = [2 * max_strings + 2]
     i = done = 0
     while True:
-        q = in_lane(len(body) - i, body.find, b'"', i)
+        q = _find(body, b'"', i)
         if q < 0:
             break
         e = _string_end(body, q + 1, quotes_left)
         if e < 0:
             return None
-        if e - q - 1 >= BIG_STRING and in_lane(e - q, body.find, b"\\", q + 1, e) < 0 and not _is_key(body, e):
+        if e - q - 1 >= BIG_STRING and _find(body, b"\\", q + 1, e) < 0 and not _is_key(body, e):
             text = _base64_text(view[q + 1:e])
             if text is not None:
                 name = f"\u0000onecard:{token}:{len(bigs)}"
