@@ -30,6 +30,10 @@ FUNCTIONS = {"digest": _digest, "is_json": _is_json}
 
 def main() -> int:
     from services.jobs.helper_pipe import recv_frame, send_frame
+    from services.runtime.device.threads import lower_priority
+    # parsing a 30 MB submit is 100 ms of a core: it must not take it from the jobs event
+    # loop (and its probes) when both want one, as a decode thread does not
+    lower_priority()
     reads, writes = os.dup(0), os.dup(1)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(2, 1)

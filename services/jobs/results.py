@@ -13,12 +13,12 @@ holds at most one piece per poll, for at most ``result_send_timeout_s``, and no 
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import pybase64
 from starlette.responses import Response
 
 log = logging.getLogger("onecard.jobs")
@@ -86,7 +86,8 @@ class StreamedBody(Response):
             if not piece:
                 raise ConnectionAbortedError("the result expired while it was sent")
             done += len(piece)
-            yield await self.cpu(len(piece), base64.b64encode, piece) if self.encode else piece
+            # pybase64 releases the GIL for the piece (the probes keep their turn)
+            yield await self.cpu(len(piece), pybase64.b64encode, piece) if self.encode else piece
         if self.tail:
             yield self.tail
 

@@ -98,3 +98,14 @@ def test_a_call_that_fails_here_mid_frame_ends_its_helper(pool):
         assert helper.proc.wait(10) is not None and pool._idle == []
     finally:
         helper.kill()
+
+
+def test_a_helper_runs_below_the_event_loops_priority(pool):
+    """A helper parses 30 MB submits at a lower priority than the jobs service's event loop:
+    on a busy machine the loop (and its probes) gets a core first."""
+    from services.runtime.device.threads import WORKER_NICENESS
+    pool.call("is_json", {}, b"[1]")
+    helper = pool._idle[0]
+    with open(f"/proc/{helper.proc.pid}/stat") as fh:
+        nice = int(fh.read().rsplit(")", 1)[1].split()[16])
+    assert nice >= min(19, os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICENESS)
