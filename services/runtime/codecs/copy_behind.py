@@ -57,7 +57,7 @@ class CopyBehind:
         self.target = target
         self._lock = threading.Lock()
         self._pending = 0
-        self._in_place = 0                # every byte before this offset is written
+        self._in_place = 0  # while copies are queued: every byte before this offset is written
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
         self._failed: BaseException | None = None
 
@@ -73,12 +73,9 @@ class CopyBehind:
         # only bytes are queued: nothing can change them before the copier gets to them
         if type(piece) is not bytes or len(piece) < GIL_FREE_COPY_BYTES:
             self.target.write(piece)
-            with self._lock:
-                if self._pending == 0:
-                    self._in_place = self.target.size
             return
         with self._lock:
-            if self._pending == 0:
+            if self._pending == 0:  # the first hole: what is before it is in place
                 self._in_place = self.target.size
             address = self.target.reserve(len(piece))
             self._pending += 1

@@ -88,9 +88,7 @@ class FreshBytes:
 
     def write(self, piece: bytes | bytearray | memoryview) -> None:
         data = memoryview(piece)
-        end = self.size + data.nbytes
-        if self._view is None or end > len(self._view):
-            raise ValueError("more bytes than the object holds")
+        end = self._end_of(data.nbytes)
         if not data.contiguous:
             self._view[self.size:end] = data
         elif data.nbytes >= GIL_FREE_COPY_BYTES:
@@ -102,11 +100,15 @@ class FreshBytes:
     def reserve(self, n: int) -> int:
         """Room for the next `n` bytes, to be written by the caller at the address returned
         (services.runtime.codecs.copy_behind); take() still wants every byte reserved."""
-        end = self.size + n
-        if self._view is None or end > len(self._view) or n < 0:
-            raise ValueError("more bytes than the object holds")
-        address, self.size = self._start + self.size, end
+        address, self.size = self._start + self.size, self._end_of(n)
         return address
+
+    def _end_of(self, n: int) -> int:
+        """Where the next `n` bytes end; ValueError when the object cannot hold them."""
+        end = self.size + n
+        if self._view is None or n < 0 or end > len(self._view):
+            raise ValueError("more bytes than the object holds")
+        return end
 
     def fill_from(self, fd: int) -> None:
         """Read the rest from a file descriptor, straight into the object (the kernel copies,
