@@ -16,7 +16,8 @@ import asyncio
 import queue
 import threading
 
-from services.runtime.codecs.fresh_bytes import GIL_FREE_COPY_BYTES, FreshBytes, copy_into
+from services.runtime.codecs.fresh_bytes import GIL_FREE_COPY_BYTES, FreshBytes
+from services.runtime.codecs.raw_buffers import copy_into
 
 
 class _Copier:

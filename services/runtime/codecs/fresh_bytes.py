@@ -20,44 +20,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from services.runtime.codecs.gil_lane import in_lane
+from services.runtime.codecs.raw_buffers import bytes_address, copy_into, new_bytes, new_str, str_address
 
-_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
-_new_bytes.restype, _new_bytes.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
-_bytes_address = ctypes.pythonapi.PyBytes_AsString
-_bytes_address.restype, _bytes_address.argtypes = ctypes.c_void_p, (ctypes.py_object,)
-_new_str = ctypes.pythonapi.PyUnicode_New
-_new_str.restype, _new_str.argtypes = ctypes.py_object, (ctypes.c_ssize_t, ctypes.c_uint32)
-_str_address = ctypes.pythonapi.PyUnicode_AsUTF8AndSize  # a compact ASCII str's own characters
-_str_address.restype, _str_address.argtypes = ctypes.c_void_p, (ctypes.py_object, ctypes.c_void_p)
-
-
-class _Buffer(ctypes.Structure):
-    """Py_buffer (part of the stable ABI since 3.11); `obj` as a plain pointer, so that ctypes
-    leaves its reference to PyBuffer_Release."""
-    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t),
-                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
-                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
-                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
-
-
-_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
-_get_buffer.restype, _get_buffer.argtypes = ctypes.c_int, (ctypes.py_object, ctypes.POINTER(_Buffer), ctypes.c_int)
-_release_buffer = ctypes.pythonapi.PyBuffer_Release
-_release_buffer.restype, _release_buffer.argtypes = None, (ctypes.POINTER(_Buffer),)
-_PYBUF_SIMPLE = 0           # one contiguous run of bytes, or BufferError
 GIL_FREE_COPY_BYTES = 64 * 1024   # below this, a slice assignment is quicker than the ctypes calls
-
-
-def copy_into(address: int, piece: bytes | bytearray | memoryview) -> None:
-    """memmove `piece`'s bytes to `address`, with the GIL released for the copy (ctypes
-    releases it around every foreign call but the Python API's). The piece must be one
-    contiguous run of bytes (BufferError otherwise)."""
-    view = _Buffer()
-    _get_buffer(piece, ctypes.byref(view), _PYBUF_SIMPLE)
-    try:
-        ctypes.memmove(address, view.buf, view.len)
-    finally:
-        _release_buffer(ctypes.byref(view))
 
 
 class FreshBytes:
@@ -76,11 +41,11 @@ class FreshBytes:
 
     @staticmethod
     def _new(size: int) -> bytes | str:
-        return _new_bytes(None, size)
+        return new_bytes(None, size)
 
     @staticmethod
     def _address(obj: bytes | str) -> int:
-        return _bytes_address(obj)
+        return bytes_address(obj)
 
     @property
     def capacity(self) -> int:
@@ -146,11 +111,11 @@ class FreshAscii(FreshBytes):
 
     @staticmethod
     def _new(size: int) -> str:
-        return _new_str(size, 127)
+        return new_str(size, 127)
 
     @staticmethod
     def _address(obj: bytes | str) -> int:
-        return _str_address(obj, None)
+        return str_address(obj, None)
 
 
 def joined(pieces: Sequence[bytes | memoryview], size: int) -> bytes:

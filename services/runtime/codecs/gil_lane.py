@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from services.runtime.codecs.page_release import hand_back_pages
+
 T = TypeVar("T")
 
 # work on fewer bytes than this is too short to matter (and may run on the loop itself)
@@ -41,7 +43,8 @@ def in_lane(size: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 def release_on(executor: concurrent.futures.Executor, garbage: list) -> None:
     """Empty `garbage` on one of `executor`'s threads, in the lane: freeing big objects hands
     their pages back to the system (munmap, 1.3 ms a 20 MB object), which the event loop
-    should not spend. The caller keeps no other reference."""
+    should not spend; their pages go first, with the GIL released (page_release). The
+    caller keeps no other reference."""
     try:
         executor.submit(_clear, garbage)
     except RuntimeError:  # shut down: here then
@@ -49,5 +52,6 @@ def release_on(executor: concurrent.futures.Executor, garbage: list) -> None:
 
 
 def _clear(garbage: list) -> None:
+    hand_back_pages(garbage)   # the pages first, with the GIL released: the munmap then has none to free
     with _LANE:
         garbage.clear()

@@ -1,0 +1,145 @@
+"""A request's big objects give their pages back before they are freed, with the GIL released,
+and only when nothing outside the list can still reach them (services.runtime.codecs.page_release)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+
+import numpy as np
+import pytest
+
+from services.runtime.codecs import page_release
+from services.runtime.codecs.gil_lane import release_on
+from services.runtime.codecs.page_release import hand_back_pages
+from services.runtime.codecs.raw_buffers import buffer_address
+
+MB = 1 << 20
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _filled(n: int) -> bytes:
+    return os.urandom(1) * n if n < MB else (os.urandom(4096) * (n // 4096 + 1))[:n]
+
+
+class Request:
+    def __init__(self, body):
+        self.body = body
+        self.params = {"image": body, "steps": 20}
+
+
+@pytest.mark.skipif(page_release._madvise is None, reason="no madvise here")
+@pytest.mark.parametrize("kind", ["bytes", "ascii str", "bytearray", "ndarray", "nested in objects"])
+def test_what_only_the_list_holds_gives_its_pages_back(kind):
+    size = 64 * MB
+    make = {"bytes": lambda: _filled(size), "ascii str": lambda: "A" * size,
+            "bytearray": lambda: bytearray(_filled(size)), "ndarray": lambda: np.ones(size, np.uint8),
+            "nested in objects": lambda: Request(_filled(size))}[kind]
+    garbage = [make()]
+    before = _rss()
+    handed = hand_back_pages(garbage)
+    assert size - 2 * 4096 <= handed <= size
+    assert before - _rss() >= size // 2      # the pages left the process, while the object still lives
+    garbage.clear()
+
+
+@pytest.mark.skipif(page_release._madvise is None, reason="no madvise here")
+def test_a_buffer_shared_twice_inside_the_list_still_qualifies():
+    body = _filled(8 * MB)
+    garbage = [Request(body), body, (body,)]
+    del body
+    assert hand_back_pages(garbage) >= 8 * MB - 2 * 4096
+
+
+def _kept(scenario: str):
+    """(garbage, what else holds it, the bytes that must stay as they were)."""
+    body = _filled(8 * MB)
+    if scenario == "another reference":
+        return [Request(body)], body, body
+    if scenario == "a memoryview":
+        view = memoryview(body)
+        return [body], view, body
+    if scenario == "numpy.frombuffer":
+        arr = np.frombuffer(body, np.uint8)
+        return [body], arr, body
+    if scenario == "a numpy view of an array":
+        arr = np.frombuffer(body, np.uint8).copy()
+        view = arr[4096:]
+        return [arr], view, view
+    if scenario == "a container held elsewhere":
+        req = Request(body)
+        return [req], req, body
+    if scenario == "a dict held elsewhere":
+        params = {"image": body}
+        return [{"params": params}], params, body
+    if scenario == "a cycle":
+        ring: list = [None, body]
+        ring[0] = ring
+        return [ring], None, body
+    raise AssertionError(scenario)
+
+
+@pytest.mark.parametrize("scenario", ["another reference", "a memoryview", "numpy.frombuffer",
+                                      "a numpy view of an array", "a container held elsewhere",
+                                      "a dict held elsewhere", "a cycle"])
+def test_what_anything_else_can_reach_is_left_as_it_is(scenario):
+    garbage, holder, watched = _kept(scenario)
+    copy = bytes(watched)
+    assert hand_back_pages(garbage) == 0
+    garbage.clear()
+    assert bytes(watched) == copy
+    del holder
+
+
+def test_small_objects_and_finalizers_are_not_touched():
+    class Finalized:
+        def __init__(self, data):
+            self.data = data
+
+        def __del__(self):
+            pass
+
+    assert hand_back_pages([_filled(MB - 1), Finalized(_filled(4 * MB))]) == 0
+
+
+@pytest.mark.skipif(page_release._madvise is None, reason="no madvise here")
+@pytest.mark.skipif(page_release._madvise is None, reason="no madvise here")
+def test_the_page_work_releases_the_gil():
+    from tests.unit.test_gil_lane import _other_threads_ran_during
+    ready = [_filled(128 * MB) for _ in range(3)]   # made beforehand: only the hand-back is watched
+
+    def work():
+        garbage = [ready.pop()]
+        hand_back_pages(garbage)
+
+    assert _other_threads_ran_during(work, tries=3)
+
+
+def test_a_requests_garbage_is_handed_back_before_it_is_freed(monkeypatch):
+    """release_on (the CPU pool's release) asks for the pages of the big objects while they
+    still live, then frees them. (madvise is faked here; the tests above use the real one.)"""
+    body = _filled(16 * MB)
+    address, size = buffer_address(body)
+    garbage = [Request(body)]
+    del body
+    calls = []
+    monkeypatch.setattr(page_release, "_madvise", lambda start, length, advice: calls.append(
+        (start, length, advice, len(garbage))) or 0)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        release_on(pool, garbage)
+    assert len(calls) == 1 and garbage == []
+    start, length, advice, held = calls[0]
+    assert advice == 4 and held == 1   # MADV_DONTNEED, while the list still held the request
+    assert address <= start and start + length <= address + size and length >= size - 2 * 4096
+
+
+def test_the_walk_is_bounded():
+    many = [[_filled(16)] for _ in range(page_release.MAX_NODES * 4)]
+    seen, parents = page_release._walk([many])
+    assert len(seen) == len(parents) <= page_release.MAX_NODES
+    del seen, parents
+    assert hand_back_pages([many]) == 0
