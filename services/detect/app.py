@@ -1,6 +1,6 @@
 """The face-detection service: POST /api/v1/facedetect, written with the public API.
 
-decode: the parameters, then the picture (any of the three input forms; a large JPEG is
+decode: the parameters, then the picture (any of the three input forms; a large one is
 decoded at reduced scale when the backend shrinks it anyway). predict: the backend's
 batch. encode: faces in the original picture's pixel coordinates, as JSON.
 """
@@ -71,7 +71,7 @@ class Detect(onecard.Model):
 
     @property
     def shrinks_to(self) -> int | None:
-        """The long side the backend resizes to, so that a big JPEG may decode at reduced scale."""
+        """The long side the backend resizes to, so that a big picture may decode at reduced scale."""
         return self.settings.max_side if self.settings.backend in ("centerface", "insightface") else None
 
     def warmup_inputs(self) -> list[DetectItem]:

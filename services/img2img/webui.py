@@ -188,7 +188,7 @@ class WebuiRoutes:
 
     @staticmethod
     def _reduce_to(req: WebuiImg2Img) -> int | None:
-        """A JPEG may decode at reduced scale, unless the answer keeps the original's pixels."""
+        """A big picture may decode at reduced scale, unless the answer keeps the original's pixels."""
         full_size = bool(req.mask and req.inpaint_full_res)
         return None if full_size else 2 * max(req.width or 0, req.height or 0) or None
 

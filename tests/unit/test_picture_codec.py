@@ -63,6 +63,19 @@ def test_a_large_jpeg_the_model_shrinks_anyway_is_decoded_at_reduced_scale():
     assert small.rgb.shape[1] >= 300 and small.rgb.shape[1] <= 600 and small.scale == small.rgb.shape[1] / 2400
 
 
+@pytest.mark.parametrize("fmt", ["PNG", "WEBP", "BMP"])
+def test_other_formats_decode_at_half_scale_at_most_as_an_exact_2x2_average(fmt):
+    """OpenCV shrinks them inside the decode call (the full-size picture never reaches the GIL);
+    by 2 only, where its linear resize is the average of each 2x2 block."""
+    big = np.random.default_rng(2).integers(0, 255, (1200, 1800, 3), dtype=np.uint8)
+    data = encode(big, fmt, **({"lossless": True} if fmt == "WEBP" else {}))
+    half = decode_image(data, LIMITS, max_side=100)      # 1/8 would still be over 100: 1/2 all the same
+    assert half.rgb.shape == (600, 900, 3) and (half.width, half.height) == (1800, 1200) and half.scale == 0.5
+    blocks = big.reshape(600, 2, 900, 2, 3).astype(np.float64).mean(axis=(1, 3))
+    assert np.abs(half.rgb - blocks).max() <= 0.5 + 1e-9
+    assert decode_image(data, LIMITS, max_side=901).rgb.shape == big.shape  # half would be below max_side
+
+
 def test_pixel_limit_is_checked_from_the_header():
     with pytest.raises(ApiError) as err:
         decode_image(encode(np.zeros((100, 100, 3), np.uint8)), DecodeLimits(max_pixels=9_999))
