@@ -51,10 +51,13 @@ _NOT_STRUCTURAL = bytes(b for b in range(256) if b not in b"[{,")
 
 def structural_bytes(data: bytes | bytearray | memoryview) -> int:
     """The ``[``, ``{`` and ``,`` bytes of ``data``: at least the items it can parse into.
-    One pass that keeps only those (3x faster than three counts: this runs on the event
-    loop for every piece of every JSON body)."""
+    This runs on the event loop for every piece of every JSON body, mostly pieces of a base64
+    string that hold none: three memchr searches tell that (5 us for 256 KiB) before the one
+    pass that keeps only those bytes (60 us; 3x faster than three counts)."""
     if isinstance(data, memoryview):
         data = bytes(data)
+    if b"," not in data and b"[" not in data and b"{" not in data:
+        return 0
     return len(data.translate(None, _NOT_STRUCTURAL))
 
 
