@@ -43,6 +43,7 @@ class ConnectionStats:
     evicted = 0
     bodies_too_slow = 0
     bodies_too_fragmented = 0
+    reads_deferred = 0        # paused uploads whose next read waited for a later turn (read_turns)
 
 
 class Refusal(Exception):

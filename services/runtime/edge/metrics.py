@@ -27,6 +27,9 @@ class EdgeCollector:
                  "Request bodies cut for arriving under min_body_rate_bytes_s (408)."),
                 ("onecard_bodies_too_fragmented", self.stats.bodies_too_fragmented,
                  "Chunked request bodies refused for chunks averaging under min_body_chunk_bytes (413)."),
+                ("onecard_upload_reads_deferred", self.stats.reads_deferred,
+                 "Upload reads put off to a later turn of the event loop, so that probes and small requests "
+                 "come round between them."),
                 ("onecard_unread_answers_reset", self.linger.reset_total,
                  "Closed connections reset because their answer stayed unread in the kernel."),
                 ("onecard_auth_failures", self.limiter.failures_total,

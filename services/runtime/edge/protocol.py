@@ -42,6 +42,7 @@ from services.runtime.edge.body_pace import BodyRate, chunks_too_small
 from services.runtime.edge.connection_limits import ConnectionLimits, ConnectionStats, Refusal, error_bytes
 from services.runtime.edge.connection_room import ConnectionRoom, RefusedNewcomer, too_many_connections
 from services.runtime.edge.lingering_close import LingeringClose
+from services.runtime.edge.read_turns import ReadTurns, TurnedFlowControl
 from services.runtime.edge.send_deadline import KernelQueueLinger, SendWatch, reset
 
 __all__ = ["ConnectionLimits", "ConnectionStats", "error_bytes", "guarded_protocol"]
@@ -56,6 +57,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
         linger = KernelQueueLinger(limits.send_timeout_s, limits.max_connections)
     room = ConnectionRoom(limits.max_connections)
     lingering = LingeringClose(limits.max_connections, drain_bytes_s=limits.lingering_drain_bytes_s)
+    turns = ReadTurns(stats)
 
     def too_large(what: str) -> Refusal:
         return Refusal(431, "headers_too_large", what, "headers_too_large")
@@ -91,6 +93,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 self._refused = RefusedNewcomer(self.loop, transport, limits.max_connections)
                 return
             super().connection_made(transport)
+            self.flow = TurnedFlowControl(transport, turns, self.loop)  # before any request takes it
             room.arrived(self, transport)
             self._send_watch = SendWatch(self.loop, transport, limits.send_timeout_s, self._on_send_stuck)
             self._body_rate = BodyRate(self.loop, limits.min_body_rate_bytes_s, limits.body_rate_grace_s,
@@ -427,5 +430,6 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 self._body_rate.stop()
             super().on_message_complete()
 
-    GuardedHttpProtocol.lingering = lingering  # shared by its connections: seen by /metrics and tests
+    GuardedHttpProtocol.lingering = lingering
+    GuardedHttpProtocol.read_turns = turns  # shared by its connections: seen by /metrics and tests
     return GuardedHttpProtocol
