@@ -143,3 +143,69 @@ def test_the_walk_is_bounded():
     assert len(seen) == len(parents) <= page_release.MAX_NODES
     del seen, parents
     assert hand_back_pages([many]) == 0
+
+
+class _Finalized(bytes):
+    """A bytes whose own finalizer reads it (after the list is freed)."""
+    read: list = []
+
+    def __del__(self):
+        _Finalized.read.append(bytes(self[8192:8200]))
+
+
+class _Weakly(bytearray):
+    pass
+
+
+def _reached_without_a_reference(scenario: str):
+    """(garbage, what reads the bytes later without a counted reference, the bytes expected):
+    reference counts do not see weak references, and a subclass may run code of its own."""
+    import weakref
+    body = _filled(8 * MB)
+    want = body[8192:8200]
+    if scenario == "a weak reference to a container":
+        registry = weakref.WeakValueDictionary()
+        req = Request(body)
+        registry["req"] = req
+        garbage = [req]
+        del req, body
+        return garbage, lambda: registry["req"].body[8192:8200], want
+    if scenario == "a weak reference to the buffer":
+        buf = _Weakly(body)
+        ref = weakref.ref(buf)
+        garbage = [buf]
+        del buf, body
+        return garbage, lambda: bytes(ref()[8192:8200]), want
+    if scenario == "a finalizer of the buffer":
+        _Finalized.read.clear()
+        garbage = [_Finalized(body)]
+        del body
+        return garbage, lambda: None, want
+    raise AssertionError(scenario)
+
+
+@pytest.mark.parametrize("scenario", ["a weak reference to a container", "a weak reference to the buffer",
+                                      "a finalizer of the buffer"])
+def test_what_can_be_reached_without_a_counted_reference_is_left_as_it_is(scenario):
+    garbage, read, want = _reached_without_a_reference(scenario)
+    hand_back_pages(garbage)
+    if scenario == "a finalizer of the buffer":
+        garbage.clear()
+        assert _Finalized.read == [want]
+    else:
+        assert read() == want   # (a weak reference gives the object back: another thread may keep it)
+        garbage.clear()
+
+
+def test_an_array_of_objects_keeps_its_references_to_release():
+    """Its data are references: zeroed, they would never be released (and what they hold would leak)."""
+    import sys
+    held = object()
+    array = np.empty(MB // 4, dtype=object)
+    array[:] = held
+    garbage = [array]
+    del array
+    before = sys.getrefcount(held)
+    hand_back_pages(garbage)
+    garbage.clear()
+    assert before - sys.getrefcount(held) == MB // 4

@@ -60,8 +60,10 @@ def _sole_buffers(garbage: list) -> list[Any]:
     and every object that refers to it qualifies (decided from the list down, so that objects
     in a cycle, which live on until the garbage collector's turn, never do)."""
     seen, parents = _walk(garbage)
-    # getrefcount's own argument and `seen` hold one reference each
-    owned = [at == 0 or sys.getrefcount(seen[at]) - 2 == len(parents[at]) for at in range(len(seen))]
+    # getrefcount's own argument and `seen` hold one reference each; a weak reference is a
+    # way in that the count misses (a WeakValueDictionary hands the object back to anyone)
+    owned = [at == 0 or (sys.getrefcount(seen[at]) - 2 == len(parents[at])
+                         and weakref.getweakrefcount(seen[at]) == 0) for at in range(len(seen))]
     children: list[list[int]] = [[] for _ in seen]
     waiting = [len(p) for p in parents]   # references from objects not known to qualify yet
     for at, refs in enumerate(parents):
@@ -108,13 +110,17 @@ def _walked(obj: Any) -> bool:
 
 
 def _big_buffer(obj: Any) -> bool:
-    if isinstance(obj, (bytes, bytearray)):
+    # exact types only: a subclass may have a finalizer that reads it, or a __len__ that is
+    # not its size (the pages past its end would be handed back)
+    kind = type(obj)
+    if kind is bytes or kind is bytearray:
         return len(obj) >= MIN_BYTES
-    if isinstance(obj, str):
+    if kind is str:
         return obj.isascii() and len(obj) >= MIN_BYTES  # a compact ASCII str: its characters are its bytes
-    if type(obj).__name__ == "ndarray" and type(obj).__module__ == "numpy":
+    if kind.__name__ == "ndarray" and kind.__module__ == "numpy":
+        # (not an array of objects: its data are references, which must still be released)
         return (obj.nbytes >= MIN_BYTES and obj.base is None and obj.flags.owndata and obj.flags.c_contiguous
-                and weakref.getweakrefcount(obj) == 0)
+                and not obj.dtype.hasobject)
     return False
 
 
