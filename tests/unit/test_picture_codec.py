@@ -76,6 +76,16 @@ def test_other_formats_decode_at_half_scale_at_most_as_an_exact_2x2_average(fmt)
     assert decode_image(data, LIMITS, max_side=901).rgb.shape == big.shape  # half would be below max_side
 
 
+@pytest.mark.parametrize("fmt", ["PNG", "WEBP", "BMP"])
+@pytest.mark.parametrize("shape", [(1, 1500), (1500, 1)])
+def test_a_picture_one_pixel_thin_still_decodes_where_it_would_shrink(fmt, shape):
+    """Halved, its short side would be 0 pixels (OpenCV's shrink asserts): it decodes whole."""
+    line = np.random.default_rng(3).integers(0, 255, (*shape, 3), dtype=np.uint8)
+    decoded = decode_image(encode(line, fmt, **({"lossless": True} if fmt == "WEBP" else {})), LIMITS, max_side=100)
+    assert decoded.rgb.shape == line.shape and decoded.scale == 1.0
+    assert np.array_equal(decoded.rgb, line)
+
+
 def test_pixel_limit_is_checked_from_the_header():
     with pytest.raises(ApiError) as err:
         decode_image(encode(np.zeros((100, 100, 3), np.uint8)), DecodeLimits(max_pixels=9_999))

@@ -170,7 +170,8 @@ def reduction_for(header: ImageHeader, max_side: int | None) -> int:
     for the reduced one."""
     if not max_side:
         return 1
-    top = 8 if header.format == "JPEG" else 2
+    # (OpenCV halves a side by integer division and refuses a side of 0 pixels)
+    top = 8 if header.format == "JPEG" else 2 if min(header.width, header.height) >= 2 else 1
     factor = 1
     while factor < top and max(header.width, header.height) >= 2 * factor * max_side:
         factor *= 2
