@@ -116,3 +116,22 @@ def test_every_service_has_every_shared_key(model):
     assert set(ServiceSettings.model_fields) <= set(model.model_fields)
     with pytest.raises(ValueError):
         model(max_pipelined_requests=0)
+
+
+@pytest.mark.parametrize("problem", [None, "the model call has run for 90 s"])
+def test_healthz_answered_ahead_of_the_framework_is_the_routes_own_answer(monkeypatch, problem):
+    """serve.py puts HealthAnswer in front of the app: the same status, document and headers
+    as the route, the instance header included, and every other request goes on to the app."""
+    from services.runtime.shell.health_answer import HealthAnswer
+    c, shell, part = client(monkeypatch)
+    with c:
+        monkeypatch.setattr(part, "problem", lambda: problem, raising=False)
+        routed = c.get("/healthz?probe=1")
+        fast = TestClient(HealthAnswer(c.app, shell))
+        answered = fast.get("/healthz?probe=1")
+        assert (answered.status_code, answered.content) == (routed.status_code, routed.content)
+        assert answered.status_code == (200 if problem is None else 503)
+        assert answered.json()["instance"] == "inst-1" and (problem is None or answered.json()["reason"] == problem)
+        assert dict(answered.headers) == dict(routed.headers) and answered.headers["x-onecard-instance"] == "inst-1"
+        assert fast.get("/hello").json() == {"hello": True}
+        assert fast.post("/healthz").status_code == 405 and fast.head("/healthz").status_code == 405
