@@ -135,3 +135,28 @@ def test_healthz_answered_ahead_of_the_framework_is_the_routes_own_answer(monkey
         assert dict(answered.headers) == dict(routed.headers) and answered.headers["x-onecard-instance"] == "inst-1"
         assert fast.get("/hello").json() == {"hello": True}
         assert fast.post("/healthz").status_code == 405 and fast.head("/healthz").status_code == 405
+
+
+def test_openapi_json_is_rendered_once_and_is_what_fastapi_would_send(monkeypatch):
+    """The document's bytes are made once (off the event loop) and served from then on:
+    FastAPI's own route encoded the whole document on the loop at every request."""
+    import json
+    import types
+
+    from fastapi.responses import JSONResponse
+
+    from services.runtime.shell import api_docs
+    renders = []
+
+    def dumps(*args, **kwargs):
+        renders.append(1)
+        return json.dumps(*args, **kwargs)
+
+    monkeypatch.setattr(api_docs, "json", types.SimpleNamespace(dumps=dumps))
+    c, shell, part = client(monkeypatch)
+    with c:
+        answers = [c.get("/openapi.json") for _ in range(3)]
+        expected = JSONResponse(c.app.openapi()).body
+    assert all(r.status_code == 200 and r.content == expected for r in answers)
+    assert answers[0].headers["content-type"] == "application/json" and "/hello" in answers[0].json()["paths"]
+    assert len(renders) == 1

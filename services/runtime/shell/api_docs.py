@@ -1,10 +1,16 @@
 """The OpenAPI document with the service's security schemes, and /docs served from assets
-inside a wheel (fastapi-offline), so that the docs page works on a unit without internet."""
+inside a wheel (fastapi-offline), so that the docs page works on a unit without internet.
+
+/openapi.json is rendered once, off the event loop, and its bytes served from then on:
+FastAPI's own route JSON-encodes the whole document on the loop at every request, and a
+hundred clients asking for it at once held the loop (and the probes) for half a second."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+from collections.abc import Awaitable, Callable
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -16,11 +22,14 @@ from fastapi.responses import HTMLResponse, Response
 if TYPE_CHECKING:
     from services.runtime.edge.credentials import Credentials
 
+OPENAPI_PATH = "/openapi.json"   # the app is made without FastAPI's own route (openapi_url=None)
 DOCS_ASSETS = {"swagger-ui-bundle.js": "application/javascript", "swagger-ui.css": "text/css"}
 
 
-def install_openapi(app: FastAPI, credentials: Credentials) -> None:
-    """Security schemes in the schema, and /docs served from assets inside a wheel."""
+def install_openapi(app: FastAPI, credentials: Credentials) -> Callable[[], Awaitable[bytes]]:
+    """Security schemes in the schema, and /docs served from assets inside a wheel. Returns
+    what renders the document's bytes (once): the shell awaits it as the service starts, so
+    that no request pays for building the schema either."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
@@ -39,13 +48,29 @@ def install_openapi(app: FastAPI, credentials: Credentials) -> None:
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    rendered: list[bytes] = []
+    rendering = asyncio.Lock()
+
+    def render() -> bytes:  # as JSONResponse renders it
+        return json.dumps(app.openapi(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+    async def openapi_bytes() -> bytes:
+        if not rendered:
+            async with rendering:  # one rendering, however many ask at once
+                if not rendered:
+                    rendered.append(await asyncio.to_thread(render))
+        return rendered[0]
+
+    @app.get(OPENAPI_PATH, include_in_schema=False)
+    async def openapi_json() -> Response:
+        return Response(await openapi_bytes(), media_type="application/json")
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> HTMLResponse:
         if _asset_dir() is None:
             return HTMLResponse("<p>API docs need the fastapi-offline package; the schema is at "
                                 "<a href='/openapi.json'>/openapi.json</a></p>", status_code=404)
-        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - API",
+        return get_swagger_ui_html(openapi_url=OPENAPI_PATH, title=f"{app.title} - API",
                                    swagger_js_url="/docs/swagger-ui-bundle.js",
                                    swagger_css_url="/docs/swagger-ui.css", swagger_favicon_url="")
 
@@ -58,6 +83,7 @@ def install_openapi(app: FastAPI, credentials: Credentials) -> None:
                 return Response(data, media_type=media, headers={"Cache-Control": "public, max-age=86400"})
             return serve_asset
         app.add_api_route(f"/docs/{asset}", make(), include_in_schema=False, methods=["GET"])
+    return openapi_bytes
 
 
 @lru_cache(maxsize=1)

@@ -187,6 +187,10 @@ class ServiceShell:
             self.heartbeat.start(self.loop)
             await asyncio.to_thread(self.probes.start)
             try:
+                try:  # built before any request can ask (routes are all added by now)
+                    await openapi_ready()
+                except Exception:  # noqa: BLE001 - a schema that will not build breaks /openapi.json, not the service
+                    log.exception("the OpenAPI document cannot be built")
                 await part.start(self)
                 self.started = True
                 yield
@@ -201,7 +205,8 @@ class ServiceShell:
         # every route can answer these; a part's routes list their own 4xx besides
         common_errors = error_responses((401, 500, 503) if self.credentials.required else (500, 503))
         app = FastAPI(title=part.title, description=part.description, version=version(), lifespan=lifespan,
-                      docs_url=None, redoc_url=None, responses=common_errors, **FASTAPI_TELEMETRY_OFF)
+                      docs_url=None, redoc_url=None, openapi_url=None, responses=common_errors,
+                      **FASTAPI_TELEMETRY_OFF)  # /openapi.json: api_docs.install_openapi
         app.state.shell = self
         install_error_handlers(app)
 
@@ -229,7 +234,7 @@ class ServiceShell:
             return await part.info()
 
         part.add_routes(app, self)
-        install_openapi(app, self.credentials)
+        openapi_ready = install_openapi(app, self.credentials)
         if self.traces is not None:  # inside the shell's middleware: credentials are checked before a span
             app.add_middleware(self.traces.middleware(), traces=self.traces, skip_paths=PROBE_PATHS)
         app.add_middleware(ShellMiddleware, shell=self)
