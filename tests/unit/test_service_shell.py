@@ -156,6 +156,7 @@ def test_openapi_json_is_rendered_once_and_is_what_fastapi_would_send(monkeypatc
     c, shell, part = client(monkeypatch)
     with c:
         answers = [c.get("/openapi.json") for _ in range(3)]
+        assert c.head("/openapi.json").status_code == 200
         expected = JSONResponse(c.app.openapi()).body
     assert all(r.status_code == 200 and r.content == expected for r in answers)
     assert answers[0].headers["content-type"] == "application/json" and "/hello" in answers[0].json()["paths"]

@@ -61,9 +61,10 @@ def install_openapi(app: FastAPI, credentials: Credentials) -> Callable[[], Awai
                     rendered.append(await asyncio.to_thread(render))
         return rendered[0]
 
-    @app.get(OPENAPI_PATH, include_in_schema=False)
-    async def openapi_json() -> Response:
+    async def openapi_json(request) -> Response:
         return Response(await openapi_bytes(), media_type="application/json")
+
+    app.add_route(OPENAPI_PATH, openapi_json, include_in_schema=False)  # GET and HEAD, as FastAPI's own
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> HTMLResponse:
