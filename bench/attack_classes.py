@@ -210,6 +210,29 @@ def big_png_uploads_as_forms(u, ctx) -> Result:
     return {"statuses": tally(rs), "notes": {"form_bytes": len(body), "max_s": round(max(r["s"] for r in rs), 1)}}
 
 
+def big_png_jobs(u, ctx) -> Result:
+    """The same pictures submitted as jobs (base64 JSON, under the jobs body limit): the jobs
+    service parses and stores them, then detect runs them. Each job is polled to its end."""
+    import base64
+    import json
+    body = json.dumps({"service": "detect", "route": "/api/v1/facedetect",
+                       "image": base64.b64encode(I.noisy_png(4000, 3000, 0.42)).decode()}).encode()
+    rs = concurrently(lambda i: request(u.ports["jobs"], "POST", "/v1/jobs", body,
+                                        {"Content-Type": "application/json"}, timeout=120), 16)
+    ids = [json.loads(r["body"])["id"] for r in rs if r["status"] == 202]
+    states: dict[str, int] = {}
+    deadline = time.monotonic() + 180
+    for job in ids:
+        while time.monotonic() < deadline:
+            g = request(u.ports["jobs"], "GET", f"/v1/jobs/{job}?result=false")
+            state = json.loads(g["body"]).get("state") if g["status"] == 200 else f"http {g['status']}"
+            if state in ("succeeded", "failed", "dead") or g["status"] != 200:
+                break
+            time.sleep(0.5)
+        states[state] = states.get(state, 0) + 1
+    return {"statuses": tally(rs), "notes": {"json_bytes": len(body), "job_states": states}}
+
+
 # ---- 10. an endless header value --------------------------------------------------------------------
 def endless_header(u, ctx) -> Result:
     rs, notes = [], {}
@@ -239,5 +262,6 @@ ISSUE_ATTACKS = [
     ("9 16 concurrent 12 MP PNG uploads", big_png_uploads),
     ("9b the same as base64 JSON", big_png_uploads_as_json),
     ("9c the same as multipart forms", big_png_uploads_as_forms),
+    ("9j the same as jobs (base64 JSON)", big_png_jobs),
     ("10 endless header value", endless_header),
 ]
