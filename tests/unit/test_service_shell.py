@@ -180,6 +180,26 @@ def test_healthz_answered_ahead_of_the_framework_when_the_part_fails_is_the_rout
     assert answered.json()["error"]["code"] == routed.json()["error"]["code"] == "internal_error"
 
 
+def test_openapi_json_is_not_shadowed_by_a_route_the_part_adds(monkeypatch):
+    """/openapi.json and /docs are the shell's, whatever path patterns the service's routes take
+    (the jobs service finds a target's routes in that document)."""
+
+    class Pages(Part):
+        def add_routes(self, app: FastAPI, shell: ServiceShell) -> None:
+            super().add_routes(app, shell)
+
+            @app.get("/{name}")
+            async def page(name: str) -> dict[str, Any]:
+                return {"page": name}
+
+    monkeypatch.setenv("ONECARD_INSTANCE_TOKEN", "inst-1")
+    monkeypatch.delenv("ONECARD_PROBE_SOCKET", raising=False)
+    with TestClient(ServiceShell("t", ServiceSettings(), Pages()).app()) as c:
+        assert c.get("/other").json() == {"page": "other"}
+        assert "/hello" in c.get("/openapi.json").json()["paths"]
+        assert "swagger" in c.get("/docs").text.lower()
+
+
 @pytest.mark.parametrize("traces", [False, True])
 def test_healthz_is_answered_ahead_only_of_the_shells_own_middleware(monkeypatch, traces):
     """serve.py puts HealthAnswer in front of a shell's app, traces or not; not in front of

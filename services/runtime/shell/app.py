@@ -234,8 +234,9 @@ class ServiceShell:
         async def info() -> dict[str, Any]:
             return await part.info()
 
-        part.add_routes(app, self)
+        # before the part's routes: a path pattern of theirs ("/{name}") must not take these
         openapi_ready = install_openapi(app, self.credentials)
+        part.add_routes(app, self)
         added_by_part = len(app.user_middleware)
         if self.traces is not None:  # inside the shell's middleware: credentials are checked before a span
             app.add_middleware(self.traces.middleware(), traces=self.traces, skip_paths=PROBE_PATHS)
