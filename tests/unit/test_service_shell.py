@@ -223,3 +223,31 @@ def test_healthz_is_answered_ahead_only_of_the_shells_own_middleware(monkeypatch
     shell = ServiceShell("t", ServiceSettings(), WithMiddleware())
     app = shell.app()
     assert answering_ahead(app, shell) is app
+
+
+def test_a_schema_that_will_not_render_breaks_openapi_json_not_the_service(monkeypatch, caplog):
+    """The document is rendered as the service starts; one that cannot be (an answer model
+    with no JSON Schema) is logged, the service starts and /openapi.json answers the 500
+    envelope."""
+    from collections.abc import Callable
+
+    from pydantic import BaseModel
+
+    class Odd(BaseModel):
+        fn: Callable[[], int]
+
+    class OddPart(Part):
+        def add_routes(self, app: FastAPI, shell: ServiceShell) -> None:
+            super().add_routes(app, shell)
+
+            @app.get("/odd-schema", response_model=Odd, response_model_exclude={"fn"})
+            async def odd_schema() -> Any:
+                return {"fn": len}
+
+    monkeypatch.setenv("ONECARD_INSTANCE_TOKEN", "inst-1")
+    monkeypatch.delenv("ONECARD_PROBE_SOCKET", raising=False)
+    with TestClient(ServiceShell("t", ServiceSettings(), OddPart()).app(), raise_server_exceptions=False) as c:
+        assert "the OpenAPI document cannot be built" in caplog.text
+        assert c.get("/readyz").status_code == 200 and c.get("/hello").json() == {"hello": True}
+        r = c.get("/openapi.json")
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
