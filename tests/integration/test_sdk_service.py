@@ -209,3 +209,13 @@ def test_the_jobs_api_runs_its_routes(tmp_path):
     finally:
         unit.kill()
 
+
+
+def test_middleware_the_service_adds_sees_healthz_as_every_other_route():
+    """serve.py answers /healthz ahead of the app only while the app's middleware is the
+    shell's own: a factory that adds CORS gets its headers on /healthz as on /readyz."""
+    with ServiceProcess("tests.children.sdk_cors_app:create_app", {"warmup_runs": 1}, pythonpath=[ROOT]) as s:
+        for path in ("/healthz", "/readyz"):
+            r = s.get(path, headers={"Origin": "http://dashboard"})
+            assert r.status_code == 200 and r.headers.get("access-control-allow-origin") == "*", (path, r.headers)
+            assert r.headers["x-onecard-instance"] and r.json()["instance"] == r.headers["x-onecard-instance"]

@@ -161,3 +161,93 @@ def test_openapi_json_is_rendered_once_and_is_what_fastapi_would_send(monkeypatc
     assert all(r.status_code == 200 and r.content == expected for r in answers)
     assert answers[0].headers["content-type"] == "application/json" and "/hello" in answers[0].json()["paths"]
     assert len(renders) == 1
+
+
+def test_healthz_answered_ahead_of_the_framework_when_the_part_fails_is_the_routes_answer(monkeypatch):
+    """A problem() that raises is answered as the route answered it: the 500 envelope, not
+    the server's bare text."""
+    from services.runtime.shell.health_answer import HealthAnswer
+    c, shell, part = client(monkeypatch)
+
+    def broken() -> str | None:
+        raise RuntimeError("the part's state is broken")
+    with c:
+        monkeypatch.setattr(part, "problem", broken, raising=False)
+        routed = c.get("/healthz")
+        answered = TestClient(HealthAnswer(c.app, shell), raise_server_exceptions=False).get("/healthz")
+    assert routed.status_code == answered.status_code == 500
+    assert answered.headers["content-type"] == "application/json"
+    assert answered.json()["error"]["code"] == routed.json()["error"]["code"] == "internal_error"
+
+
+def test_openapi_json_is_not_shadowed_by_a_route_the_part_adds(monkeypatch):
+    """/openapi.json and /docs are the shell's, whatever path patterns the service's routes take
+    (the jobs service finds a target's routes in that document)."""
+
+    class Pages(Part):
+        def add_routes(self, app: FastAPI, shell: ServiceShell) -> None:
+            super().add_routes(app, shell)
+
+            @app.get("/{name}")
+            async def page(name: str) -> dict[str, Any]:
+                return {"page": name}
+
+    monkeypatch.setenv("ONECARD_INSTANCE_TOKEN", "inst-1")
+    monkeypatch.delenv("ONECARD_PROBE_SOCKET", raising=False)
+    with TestClient(ServiceShell("t", ServiceSettings(), Pages()).app()) as c:
+        assert c.get("/other").json() == {"page": "other"}
+        assert "/hello" in c.get("/openapi.json").json()["paths"]
+        assert "swagger" in c.get("/docs").text.lower()
+
+
+@pytest.mark.parametrize("traces", [False, True])
+def test_healthz_is_answered_ahead_only_of_the_shells_own_middleware(monkeypatch, traces):
+    """serve.py puts HealthAnswer in front of a shell's app, traces or not; not in front of
+    one that carries middleware of the service's own (added by its routes or its factory)."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    from services.runtime.shell.health_answer import HealthAnswer, answering_ahead
+    if traces:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+        monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    c, shell, _ = client(monkeypatch)
+    assert (shell.traces is not None) == traces
+    assert isinstance(answering_ahead(c.app, shell), HealthAnswer)
+    c.app.add_middleware(CORSMiddleware, allow_origins=["*"])
+    assert answering_ahead(c.app, shell) is c.app
+
+    class WithMiddleware(Part):
+        def add_routes(self, app: FastAPI, shell: ServiceShell) -> None:
+            super().add_routes(app, shell)
+            app.add_middleware(CORSMiddleware, allow_origins=["*"])
+    shell = ServiceShell("t", ServiceSettings(), WithMiddleware())
+    app = shell.app()
+    assert answering_ahead(app, shell) is app
+
+
+def test_a_schema_that_will_not_render_breaks_openapi_json_not_the_service(monkeypatch, caplog):
+    """The document is rendered as the service starts; one that cannot be (an answer model
+    with no JSON Schema) is logged, the service starts and /openapi.json answers the 500
+    envelope."""
+    from collections.abc import Callable
+
+    from pydantic import BaseModel
+
+    class Odd(BaseModel):
+        fn: Callable[[], int]
+
+    class OddPart(Part):
+        def add_routes(self, app: FastAPI, shell: ServiceShell) -> None:
+            super().add_routes(app, shell)
+
+            @app.get("/odd-schema", response_model=Odd, response_model_exclude={"fn"})
+            async def odd_schema() -> Any:
+                return {"fn": len}
+
+    monkeypatch.setenv("ONECARD_INSTANCE_TOKEN", "inst-1")
+    monkeypatch.delenv("ONECARD_PROBE_SOCKET", raising=False)
+    with TestClient(ServiceShell("t", ServiceSettings(), OddPart()).app(), raise_server_exceptions=False) as c:
+        assert "the OpenAPI document cannot be built" in caplog.text
+        assert c.get("/readyz").status_code == 200 and c.get("/hello").json() == {"hello": True}
+        r = c.get("/openapi.json")
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"

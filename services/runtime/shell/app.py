@@ -71,6 +71,7 @@ class ServiceShell:
         # path, or a prefix ending in "/"; 401s included
         self.error_shapes: dict[str, Callable[[ApiError], dict]] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.own_middleware: tuple = ()  # what app() adds; any other is the service's own
         self.probes = ProbeServer({"/healthz": json_route(self.health),
                                    "/readyz": json_route(self._from_probe_thread(self.readiness, {"ready": False})),
                                    "/stats": json_route(self._from_probe_thread(self.stats, {})),
@@ -233,13 +234,17 @@ class ServiceShell:
         async def info() -> dict[str, Any]:
             return await part.info()
 
-        part.add_routes(app, self)
+        # before the part's routes: a path pattern of theirs ("/{name}") must not take these
         openapi_ready = install_openapi(app, self.credentials)
+        part.add_routes(app, self)
+        added_by_part = len(app.user_middleware)
         if self.traces is not None:  # inside the shell's middleware: credentials are checked before a span
             app.add_middleware(self.traces.middleware(), traces=self.traces, skip_paths=PROBE_PATHS)
         app.add_middleware(ShellMiddleware, shell=self)
         # outermost: it sees every 401, whoever answers it
         app.add_middleware(AuthFailureGate, limiter=self.limiter)
+        # each is inserted first: the shell's are ahead of any the part added
+        self.own_middleware = tuple(app.user_middleware[:len(app.user_middleware) - added_by_part])
 
         @app.exception_handler(ClientGone)
         async def _gone(request: Request, exc: ClientGone):

@@ -5,7 +5,9 @@ FastAPI it crossed a dozen middleware layers, the router and the dependency solv
 300 us of the event loop each time, and on a loop sharing the GIL with busy decoders every
 such stretch is one more chance to wait for the GIL. The answer is the same document, with
 the same headers (the instance header included), as the route's; any other method or path
-goes on to the app.
+goes on to the app. It stands in front only of an app whose middleware is the shell's own
+(``answering_ahead``): middleware a service adds (CORS for a dashboard in a browser, say)
+must see /healthz as it saw it through the route.
 """
 
 from __future__ import annotations
@@ -19,6 +21,15 @@ if TYPE_CHECKING:
 PATH = "/healthz"
 
 
+def answering_ahead(app, shell: ServiceShell):
+    """``app`` behind HealthAnswer, or ``app`` itself when it carries middleware that is not
+    the shell's: that middleware may change the answer (add headers), and only the route
+    passes through it."""
+    if any(all(m is not own for own in shell.own_middleware) for m in getattr(app, "user_middleware", ())):
+        return app
+    return HealthAnswer(app, shell)
+
+
 class HealthAnswer:
     def __init__(self, app, shell: ServiceShell):
         self.app, self.shell = app, shell
@@ -27,9 +38,12 @@ class HealthAnswer:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] != PATH or scope["method"] != "GET":
             return await self.app(scope, receive, send)
-        status, doc = self.shell.health()
-        # as JSONResponse renders it
-        body = json.dumps(doc, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+        try:
+            status, doc = self.shell.health()
+            # as JSONResponse renders it
+            body = json.dumps(doc, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+        except Exception:  # noqa: BLE001 - the route fails the same way and answers it in the envelope
+            return await self.app(scope, receive, send)
         headers = [(b"content-length", str(len(body)).encode()), (b"content-type", b"application/json")]
         if self.instance is not None:
             headers.append((b"x-onecard-instance", self.instance))

@@ -180,7 +180,7 @@ def main() -> int:
     from services.runtime.edge.metrics import EdgeCollector
     from services.runtime.edge.protocol import ConnectionStats, guarded_protocol
     from services.runtime.edge.send_deadline import KernelQueueLinger
-    from services.runtime.shell.health_answer import HealthAnswer
+    from services.runtime.shell.health_answer import answering_ahead
 
     fds = raise_open_files_limit()
     shell = getattr(getattr(app, "state", None), "shell", None)
@@ -189,7 +189,7 @@ def main() -> int:
     linger = KernelQueueLinger(limits.send_timeout_s, limits.max_connections)
     if shell is not None:
         shell.metrics.registry.register(EdgeCollector(ConnectionStats, shell.limiter, linger))
-        app = HealthAnswer(app, shell)
+        app = answering_ahead(app, shell)
     else:  # an ASGI app built without the shell: credential guessing is still slowed down
         app = AuthFailureGate(app, FailureLimiter(10, 60.0))
     drain_s = _seconds(env, "ONECARD_DRAIN_S", "ONECARD_GRACE_S", default=8.0)
