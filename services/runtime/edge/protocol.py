@@ -430,6 +430,5 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 self._body_rate.stop()
             super().on_message_complete()
 
-    GuardedHttpProtocol.lingering = lingering
-    GuardedHttpProtocol.read_turns = turns  # shared by its connections: seen by /metrics and tests
+    GuardedHttpProtocol.lingering = lingering  # shared by its connections: seen by /metrics and tests
     return GuardedHttpProtocol
