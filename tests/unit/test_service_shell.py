@@ -140,19 +140,17 @@ def test_healthz_answered_ahead_of_the_framework_is_the_routes_own_answer(monkey
 def test_openapi_json_is_rendered_once_and_is_what_fastapi_would_send(monkeypatch):
     """The document's bytes are made once (off the event loop) and served from then on:
     FastAPI's own route encoded the whole document on the loop at every request."""
-    import json
-    import types
-
     from fastapi.responses import JSONResponse
 
     from services.runtime.shell import api_docs
     renders = []
 
-    def dumps(*args, **kwargs):
-        renders.append(1)
-        return json.dumps(*args, **kwargs)
+    class Counted(JSONResponse):
+        def render(self, content):
+            renders.append(1)
+            return super().render(content)
 
-    monkeypatch.setattr(api_docs, "json", types.SimpleNamespace(dumps=dumps))
+    monkeypatch.setattr(api_docs, "JSONResponse", Counted)
     c, shell, part = client(monkeypatch)
     with c:
         answers = [c.get("/openapi.json") for _ in range(3)]

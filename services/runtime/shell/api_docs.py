@@ -8,7 +8,6 @@ hundred clients asking for it at once held the loop (and the probes) for half a 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from collections.abc import Awaitable, Callable
 from functools import lru_cache
@@ -17,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import HTMLResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 if TYPE_CHECKING:
     from services.runtime.edge.credentials import Credentials
@@ -51,8 +50,8 @@ def install_openapi(app: FastAPI, credentials: Credentials) -> Callable[[], Awai
     rendered: list[bytes] = []
     rendering = asyncio.Lock()
 
-    def render() -> bytes:  # as JSONResponse renders it
-        return json.dumps(app.openapi(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    def render() -> bytes:  # what FastAPI's own route sent
+        return JSONResponse(app.openapi()).body
 
     async def openapi_bytes() -> bytes:
         if not rendered:

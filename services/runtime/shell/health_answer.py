@@ -12,8 +12,9 @@ must see /healthz as it saw it through the route.
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
+
+from fastapi.responses import JSONResponse
 
 if TYPE_CHECKING:
     from services.runtime.shell.app import ServiceShell
@@ -40,12 +41,9 @@ class HealthAnswer:
             return await self.app(scope, receive, send)
         try:
             status, doc = self.shell.health()
-            # as JSONResponse renders it
-            body = json.dumps(doc, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+            answer = JSONResponse(doc, status_code=status)  # the route's own answer, rendered the same way
         except Exception:  # noqa: BLE001 - the route fails the same way and answers it in the envelope
             return await self.app(scope, receive, send)
-        headers = [(b"content-length", str(len(body)).encode()), (b"content-type", b"application/json")]
-        if self.instance is not None:
-            headers.append((b"x-onecard-instance", self.instance))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        if self.instance is not None:  # where ShellMiddleware puts it on the route's answer
+            answer.raw_headers.append((b"x-onecard-instance", self.instance))
+        await answer(scope, receive, send)
