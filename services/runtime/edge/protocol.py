@@ -107,6 +107,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             arriving = not self._broken and (self._phase == HEAD or self._waiting_bytes > 0
                                              or has_bytes_waiting(self.transport))
             self._broken = True
+            self._cut = True  # its partial head lingers briefly (CUT_IDLE_S), not a client's 5 s
             self._disarm()
             if arriving:
                 self.transport.write(too_many_connections(limits.max_connections))
