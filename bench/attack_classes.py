@@ -210,6 +210,25 @@ def big_png_uploads_as_forms(u, ctx) -> Result:
     return {"statuses": tally(rs), "notes": {"form_bytes": len(body), "max_s": round(max(r["s"] for r in rs), 1)}}
 
 
+def big_png_img2img(u, ctx) -> Result:
+    """The same pictures to img2img's native route: decoded whole (no JPEG-style reduced
+    decode for PNG at this size), then scaled to its max_side, then queued for the model."""
+    png = I.noisy_png(4000, 3000, 0.42)
+    rs = concurrently(lambda i: request(u.ports["img2img"], "POST", "/api/v1/img2img?style=3", png,
+                                        {"Content-Type": "image/png"}, keep_body=False, timeout=180), 16)
+    return {"statuses": tally(rs), "notes": {"png_bytes": len(png), "max_s": round(max(r["s"] for r in rs), 1)}}
+
+
+def big_png_webui(u, ctx) -> Result:
+    """The same pictures as webui init_images (base64 JSON), as AUTOMATIC1111 clients send them."""
+    import json
+    body = json.dumps({"init_images": [b64(I.noisy_png(4000, 3000, 0.42))], "denoising_strength": 0.5,
+                       "steps": 2}).encode()
+    rs = concurrently(lambda i: request(u.ports["img2img"], "POST", WEBUI, body, {"Content-Type": "application/json"},
+                                        keep_body=False, timeout=180), 16)
+    return {"statuses": tally(rs), "notes": {"max_s": round(max(r["s"] for r in rs), 1)}}
+
+
 def big_png_jobs(u, ctx) -> Result:
     """The same pictures submitted as jobs (base64 JSON, under the jobs body limit): the jobs
     service parses and stores them, then detect runs them. Each job is polled to its end."""
@@ -263,5 +282,7 @@ ISSUE_ATTACKS = [
     ("9b the same as base64 JSON", big_png_uploads_as_json),
     ("9c the same as multipart forms", big_png_uploads_as_forms),
     ("9j the same as jobs (base64 JSON)", big_png_jobs),
+    ("9i the same to img2img (PNG)", big_png_img2img),
+    ("9w the same as webui init_images", big_png_webui),
     ("10 endless header value", endless_header),
 ]

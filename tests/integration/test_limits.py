@@ -343,7 +343,7 @@ def test_concurrent_uploads_take_turns_and_every_one_is_read_whole(svc):
                           headers={"content-type": "image/png"}, timeout=60)
 
     with concurrent.futures.ThreadPoolExecutor(13) as pool:
-        held = pool.submit(httpx.get, svc.url + "/block?s=0.4", timeout=30)
+        held = pool.submit(httpx.get, svc.url + "/block?s=1.5", timeout=30)  # long enough on a busy machine
         time.sleep(0.1)
         answers = list(pool.map(upload, range(12)))
         assert held.result().status_code == 200
