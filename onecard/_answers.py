@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from services.runtime.codecs.base64_text import decode_base64, encode_base64
 from services.runtime.codecs.encoder_limits import check_encodable
-from services.runtime.codecs.images import ALLOWED_FORMATS, ImageHeader, encode_image
+from services.runtime.codecs.images import ALLOWED_FORMATS, ImageHeader, encode_image, resize_image
 from services.runtime.pipeline.model_routes import Reply, json_reply
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from onecard._request import Request
 
 __all__ = ["IMAGE_FORMATS", "ImageHeader", "Response", "check_encodable", "decode_base64", "encode_base64",
-           "encode_image", "image"]
+           "encode_image", "image", "resize_image"]
 
 # what a request's pictures may be; anything else is refused with 415 before a decoder sees it
 IMAGE_FORMATS: tuple[str, ...] = ALLOWED_FORMATS

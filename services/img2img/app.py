@@ -79,11 +79,7 @@ class Img2ImgRoutes:
     def finish(self, item: Img2ImgItem, out: np.ndarray) -> np.ndarray:
         """Backend post-processing and the final size. (A webui mask's overlay, which keeps the
         original outside the mask pixel for pixel, is applied by the webui route: webui_images.)"""
-        out = self.backend.postprocess(item, out)
-        img = Image.fromarray(out)
-        if img.size != item.out_size:
-            img = img.resize(item.out_size, Image.LANCZOS)
-        return np.asarray(img)
+        return onecard.resize_image(self.backend.postprocess(item, out), item.out_size)
 
     # ---- POST /api/v1/img2img ---------------------------------------------------------
     def model_pixels(self, width: int, height: int) -> int:

@@ -27,6 +27,8 @@ from services.runtime.codecs import exif, jpeg
 from services.runtime.codecs import png_bmp as formats
 from services.runtime.codecs.encoder_limits import check_encodable
 from services.runtime.codecs.fresh_bytes import joined
+from services.runtime.codecs.page_release import hand_back_pages
+from services.runtime.codecs.png_encode import encode_png
 from services.runtime.errors import ApiError
 
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP")
@@ -259,17 +261,43 @@ def encode_image(rgb: np.ndarray, fmt: str, quality: int | None = None) -> tuple
         buf = io.BytesIO()  # (quality within 1..100 as OpenCV's is below: not an error at one size only)
         Image.fromarray(rgb).save(buf, format=pil_fmt, quality=min(100, max(1, quality or 85)), method=0)
         return buf.getvalue(), mime
+    if pil_fmt == "PNG":  # the same file as OpenCV's with PNG_PARAMS, without its GIL-held copy
+        return encode_png(rgb), mime
     # OpenCV's encoders release the GIL for the whole picture. Pillow's WebP encoder holds it
     # (80 ms at 40 MP froze the event loop and the probes that long), so bigger WebP answers
     # go here too, at about 3x Pillow's CPU (OpenCV has no fastest-method setting), which the
     # worker's lower priority absorbs
-    ext, params = {"PNG": (".png", PNG_PARAMS),
-                   "JPEG": (".jpg", [cv2.IMWRITE_JPEG_QUALITY, quality or 90]),
+    ext, params = {"JPEG": (".jpg", [cv2.IMWRITE_JPEG_QUALITY, quality or 90]),
                    "WEBP": (".webp", [cv2.IMWRITE_WEBP_QUALITY, min(100, max(1, quality or 85))])}[pil_fmt]
-    ok, out = cv2.imencode(ext, cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR), params)
+    # The temporaries (the BGR copy, the encoder's output) hand their pages back before they
+    # are freed: OpenCV's arrays are numpy's, and freeing 36 MB unmapped it with the GIL held
+    garbage = [cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR)]
+    ok, out = cv2.imencode(ext, garbage[0], params)
+    hand_back_pages(garbage)
+    garbage.clear()
     if not ok:
         raise RuntimeError(f"cannot encode a {rgb.shape[1]}x{rgb.shape[0]} picture as {fmt}")
-    return array_bytes(out), mime
+    data = array_bytes(out)
+    garbage.append(out)
+    del out
+    hand_back_pages(garbage)
+    return data, mime
+
+
+def resize_image(rgb: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """``rgb`` (height x width x 3, uint8) at ``size`` (width, height): Lanczos when it grows,
+    area averaging when it shrinks. OpenCV releases the GIL for the whole picture; Pillow's
+    resize did too, but handing its 12 MP result to numpy (``np.asarray``) copied 36 MB a
+    slice at a time with the GIL held, and freeing it unmapped 48 MB the same way: the event
+    loop and its probes waited behind every big answer."""
+    width, height = size
+    if width <= 0 or height <= 0:
+        raise ValueError(f"cannot resize to {width}x{height}")
+    if (rgb.shape[1], rgb.shape[0]) == (width, height):
+        return rgb
+    shrinks = width * height < rgb.shape[0] * rgb.shape[1]
+    return cv2.resize(np.ascontiguousarray(rgb), (width, height),
+                      interpolation=cv2.INTER_AREA if shrinks else cv2.INTER_LANCZOS4)
 
 
 def array_bytes(array: np.ndarray) -> bytes:

@@ -40,13 +40,15 @@ except (OSError, AttributeError):  # no libc madvise (not Linux): the objects ar
     _madvise = None
 
 
-def hand_back_pages(garbage: list) -> int:
+def hand_back_pages(garbage: list, min_bytes: int = MIN_BYTES) -> int:
     """Hand back the whole pages of the big buffers (``bytes``, ASCII ``str``, ``bytearray``,
-    numpy arrays that own their data) that only `garbage` holds; the caller frees `garbage`
-    right after and keeps no other reference to what it holds. Returns the bytes handed back."""
+    numpy arrays that own their data; of `min_bytes` or more) that only `garbage` holds; the
+    caller frees `garbage` right after and keeps no other reference to what it holds.
+    Returns the bytes handed back. (A smaller `min_bytes` suits many buffers of a few hundred
+    kB freed together: heap blocks, whose frees add up to a heap trim with the GIL held.)"""
     if _madvise is None:
         return 0
-    spans = [span for span in map(_span, _sole_buffers(garbage)) if span is not None]
+    spans = [span for span in map(_span, _sole_buffers(garbage, min_bytes)) if span is not None]
     total = 0
     for start, length in spans:
         if _madvise(start, length, _MADV_DONTNEED) == 0:  # (the GIL is released for the call)
@@ -54,7 +56,7 @@ def hand_back_pages(garbage: list) -> int:
     return total
 
 
-def _sole_buffers(garbage: list) -> list[Any]:
+def _sole_buffers(garbage: list, min_bytes: int = MIN_BYTES) -> list[Any]:
     """The big buffers that are reachable from `garbage` only: a walk from it that counts the
     references it crosses. An object qualifies when its reference count is what the walk saw
     and every object that refers to it qualifies (decided from the list down, so that objects
@@ -77,7 +79,7 @@ def _sole_buffers(garbage: list) -> list[Any]:
             waiting[child] -= 1
             if waiting[child] == 0 and owned[child]:
                 ready.append(child)
-    return [seen[at] for at in range(1, len(seen)) if sole[at] and _big_buffer(seen[at])]
+    return [seen[at] for at in range(1, len(seen)) if sole[at] and _big_buffer(seen[at], min_bytes)]
 
 
 def _walk(garbage: list) -> tuple[list[Any], list[list[int]]]:
@@ -109,17 +111,17 @@ def _walked(obj: Any) -> bool:
     return not isinstance(obj, _NOT_WALKED) and not hasattr(type(obj), "__del__")  # a finalizer might read it
 
 
-def _big_buffer(obj: Any) -> bool:
+def _big_buffer(obj: Any, min_bytes: int = MIN_BYTES) -> bool:
     # exact types only: a subclass may have a finalizer that reads it, or a __len__ that is
     # not its size (the pages past its end would be handed back)
     kind = type(obj)
     if kind is bytes or kind is bytearray:
-        return len(obj) >= MIN_BYTES
+        return len(obj) >= min_bytes
     if kind is str:
-        return obj.isascii() and len(obj) >= MIN_BYTES  # a compact ASCII str: its characters are its bytes
+        return obj.isascii() and len(obj) >= min_bytes  # a compact ASCII str: its characters are its bytes
     if kind.__name__ == "ndarray" and kind.__module__ == "numpy":
         # (not an array of objects: its data are references, which must still be released)
-        return (obj.nbytes >= MIN_BYTES and obj.base is None and obj.flags.owndata and obj.flags.c_contiguous
+        return (obj.nbytes >= min_bytes and obj.base is None and obj.flags.owndata and obj.flags.c_contiguous
                 and not obj.dtype.hasobject)
     return False
 
