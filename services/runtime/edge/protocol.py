@@ -42,7 +42,7 @@ from services.runtime.edge.body_pace import BodyRate, chunks_too_small
 from services.runtime.edge.connection_limits import ConnectionLimits, ConnectionStats, Refusal, error_bytes
 from services.runtime.edge.connection_room import ConnectionRoom, RefusedNewcomer, too_many_connections
 from services.runtime.edge.lingering_close import LingeringClose
-from services.runtime.edge.read_turns import ReadTurns, TurnedFlowControl
+from services.runtime.edge.read_turns import ReadTurns, TurnedFlowControl, read_at_once
 from services.runtime.edge.send_deadline import KernelQueueLinger, SendWatch, reset
 
 __all__ = ["ConnectionLimits", "ConnectionStats", "error_bytes", "guarded_protocol"]
@@ -99,6 +99,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._body_rate = BodyRate(self.loop, limits.min_body_rate_bytes_s, limits.body_rate_grace_s,
                                        lambda: self._body_bytes, self._client_waits, self._on_body_too_slow)
             self._update_receive_deadline()
+            read_at_once(transport)
 
         def give_way(self) -> None:
             """Closed to make room for a newcomer (connection_room): silently when idle, with a

@@ -17,10 +17,34 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from typing import Any
 
 from uvicorn.protocols.http.flow_control import FlowControl
 
+from common.socket_queues import unread_bytes
+
 READS_PER_TURN = 4
+READ_AT_ONCE_BYTES = 16 * 1024   # a request head, a probe, a small body: not an upload's first piece
+
+
+def read_at_once(transport: Any) -> bool:
+    """On a new connection whose client sent a small request with its connect (every probe,
+    most clients), read it now instead of in the loop's next turn: a /healthz probe waits
+    one turn fewer (accept, start, connection and read, answer), and in a turn of a busy
+    service every upload in flight moves a piece. An
+    upload's first piece (more bytes waiting) waits for the reader as before: a burst of
+    accepted uploads must not all be read in one turn. Whether it was read now."""
+    read = getattr(transport, "_read_ready", None)  # asyncio's selector transport; others read as usual
+    if read is None or transport.is_closing() or not getattr(transport, "is_reading", lambda: False)():
+        return False
+    try:
+        fd = transport.get_extra_info("socket").fileno()
+    except (OSError, AttributeError, ValueError):
+        return False
+    if not 0 < unread_bytes(fd) <= READ_AT_ONCE_BYTES:
+        return False
+    read()
+    return True
 
 
 class ReadTurns:
