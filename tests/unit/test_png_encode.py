@@ -62,6 +62,23 @@ def test_encode_image_makes_png_answers_here_and_others_with_opencv():
         assert got == mime and cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR).shape == (64, 96, 3)
 
 
+@pytest.mark.parametrize("kind", ["rgba", "16-bit", "float", "gray"])
+def test_png_answers_of_other_pixels_are_made_as_before(kind):
+    """encode_image (onecard.image's answers) took whatever OpenCV's PNG path took: RGBA (alpha
+    dropped), 16-bit (kept), float (saturated to 8 bits), gray. Those still answer a PNG, the
+    same pixels as before, not a 500 from the encoder made for RGB bytes."""
+    from services.runtime.codecs.images import PNG_PARAMS
+    rgb = RNG.integers(0, 256, (40, 50, 3), dtype=np.uint8)
+    pixels = {"rgba": np.dstack([rgb, np.full((40, 50), 7, np.uint8)]), "16-bit": rgb.astype(np.uint16) * 257,
+              "float": rgb.astype(np.float32) * 1.5, "gray": rgb[..., 0]}[kind]
+    data, mime = encode_image(pixels, "png")
+    ok, before = cv2.imencode(".png", cv2.cvtColor(pixels, cv2.COLOR_RGB2BGR), PNG_PARAMS)
+    assert mime == "image/png" and ok
+    got = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    want = cv2.imdecode(before, cv2.IMREAD_UNCHANGED)
+    assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
 def test_a_big_answer_keeps_the_gil_for_far_less_than_opencv_did():
     """OpenCV releases the GIL to compress, then copies its output into a numpy array holding
     it (and frees its own copy holding it): 6 ms for a 12 MP picture's 36 MB, 30-90 ms when
