@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 # one CPU shared with a process that spins, and no priority raised (as for a CI user without
-# CAP_SYS_NICE): work that releases the GIL all along, and work that keeps it for 20 ms of CPU
+# CAP_SYS_NICE): work that releases the GIL all along, and work that keeps it for 40 ms of CPU
 SCRIPT = textwrap.dedent("""
     import hashlib, os, subprocess, sys, time
     import tests.gil_holds as gh
@@ -34,9 +34,9 @@ SCRIPT = textwrap.dedent("""
             while time.perf_counter() - t0 < 0.25:
                 hashlib.sha256(data).digest()
 
-        def keeps():  # forced switches are off while it is measured: 20 ms of CPU with the GIL
+        def keeps():  # forced switches are off while it is measured: 40 ms of CPU with the GIL
             t0 = time.thread_time()
-            while time.thread_time() - t0 < 0.02:
+            while time.thread_time() - t0 < 0.04:
                 pass
 
         print(gh.longest_gil_hold_s(releases), gh.longest_gil_hold_s(keeps, tries=2))
@@ -51,7 +51,7 @@ def test_preemption_is_not_counted_as_holding_the_gil():
     out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     releases, keeps = map(float, out.stdout.split())
-    # a real hold is seen whole, as the work's 20 ms of CPU: not as the 40 ms of wall clock it
+    # a real hold is seen whole, as the work's 40 ms of CPU: not as the 80 ms of wall clock it
     # took beside the spinner
-    assert 0.015 <= keeps < 0.03, (releases, keeps)
+    assert 0.03 <= keeps < 0.06, (releases, keeps)
     assert releases < keeps / 4, (releases, keeps)  # preemption on a shared CPU is not a hold
