@@ -209,3 +209,22 @@ def test_an_array_of_objects_keeps_its_references_to_release():
     hand_back_pages(garbage)
     garbage.clear()
     assert before - sys.getrefcount(held) == MB // 4
+
+
+@pytest.mark.skipif(page_release._madvise is None, reason="no madvise here")
+def test_heap_blocks_hand_back_only_their_own_pages():
+    """A smaller bound (min_bytes) reaches buffers in the malloc heap, beside other blocks:
+    only the whole pages inside a buffer's own bytes are handed back, so its neighbours, its
+    header and the allocator's bookkeeping around it stay as they were."""
+    size = 100 * 1024  # under glibc's mmap threshold: heap blocks, side by side
+    blocks = [_filled(size) for _ in range(64)]
+    kept, garbage = blocks[0::2], blocks[1::2]
+    copies = [bytes(b) for b in kept]
+    del blocks
+    assert hand_back_pages(garbage, 64 * 1024) >= len(garbage) * (size - 2 * 4096)
+    assert all(b == c for b, c in zip(kept, copies, strict=True))
+    assert all(len(b) == size for b in garbage)   # (their headers are intact: they are still bytes)
+    garbage.clear()
+    again = [_filled(size) for _ in range(32)]   # the freed blocks serve new ones
+    assert all(b == c for b, c in zip(kept, copies, strict=True))
+    assert all(len(b) == size for b in again)

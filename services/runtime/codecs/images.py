@@ -261,13 +261,15 @@ def encode_image(rgb: np.ndarray, fmt: str, quality: int | None = None) -> tuple
         buf = io.BytesIO()  # (quality within 1..100 as OpenCV's is below: not an error at one size only)
         Image.fromarray(rgb).save(buf, format=pil_fmt, quality=min(100, max(1, quality or 85)), method=0)
         return buf.getvalue(), mime
-    if pil_fmt == "PNG":  # the same file as OpenCV's with PNG_PARAMS, without its GIL-held copy
+    if pil_fmt == "PNG" and rgb.ndim == 3 and rgb.shape[2] == 3 and rgb.dtype == np.uint8:
+        # the same file as OpenCV's with PNG_PARAMS, without its GIL-held copy; other pixels
+        # (RGBA, 16-bit, float, gray: what this took before) are OpenCV's, as they were
         return encode_png(rgb), mime
     # OpenCV's encoders release the GIL for the whole picture. Pillow's WebP encoder holds it
     # (80 ms at 40 MP froze the event loop and the probes that long), so bigger WebP answers
     # go here too, at about 3x Pillow's CPU (OpenCV has no fastest-method setting), which the
     # worker's lower priority absorbs
-    ext, params = {"JPEG": (".jpg", [cv2.IMWRITE_JPEG_QUALITY, quality or 90]),
+    ext, params = {"PNG": (".png", PNG_PARAMS), "JPEG": (".jpg", [cv2.IMWRITE_JPEG_QUALITY, quality or 90]),
                    "WEBP": (".webp", [cv2.IMWRITE_WEBP_QUALITY, min(100, max(1, quality or 85))])}[pil_fmt]
     # The temporaries (the BGR copy, the encoder's output) hand their pages back before they
     # are freed: OpenCV's arrays are numpy's, and freeing 36 MB unmapped it with the GIL held
