@@ -145,11 +145,11 @@ case "$cmd" in
         setup
         step "ruff check . (lint and import order)"
         "$PY" -m ruff check --quiet . || { echo "ruff found problems (above); ruff check --fix . fixes most" >&2; exit 1; }
-        # two workers per core (at most 16), a test file per worker (its module fixtures start
+        # two workers per core (at most 8; a container's CPU quota counts), a test file per worker (its module fixtures start
         # services once): much of a test is waiting on processes, deadlines and sockets, and
         # on 2 cores 4 workers end in 6.5 min where 2 took 8.7; pass -n yourself to choose
         # (-n 0: one process)
-        workers=$("$PY" -c 'import os; print(min(16, 2 * len(os.sched_getaffinity(0))))')
+        workers=$("$PY" -c 'from tests.workers import count; print(count())')
         case " $* " in
             *" -n"*|*" --numprocesses"*) exec "$PY" -m pytest "$@" ;;
             *) exec "$PY" -m pytest -n "$workers" --dist loadfile "$@" ;;

@@ -354,6 +354,44 @@ def test_a_connection_the_edge_cut_lingers_only_briefly():
     asyncio.run(scenario())
 
 
+def test_a_connection_that_made_room_lingers_while_its_client_sends_and_goes_when_it_is_silent():
+    """Closed to make room for a newcomer (quiet): a silent client's socket goes after
+    CUT_IDLE_S (a flood of silent connections held 40 descriptors for a client's 5 s); one
+    still sending its head is read on past CUT_TOTAL_S, so that it reads its 503."""
+    import asyncio
+    import socket
+    import time
+
+    from services.runtime.edge import lingering_close
+    from services.runtime.edge.lingering_close import LingeringClose
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        lingering = LingeringClose(limit=4, idle_s=30, total_s=60)
+        silent, sending = socket.socketpair(), socket.socketpair()
+        try:
+            for _ours, theirs in (silent, sending):
+                theirs.sendall(b"POST / HTTP/1.1\r\n")
+                await asyncio.sleep(0.01)
+            assert lingering.adopt(loop, silent[0], quiet=True)
+            assert lingering.adopt(loop, sending[0], quiet=True)
+            silent[0].close()
+            sending[0].close()
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < lingering_close.CUT_TOTAL_S + 1.5:
+                sending[1].send(b"X-A: b\r\n")
+                await asyncio.sleep(0.2)
+            assert lingering.count == 1  # the silent one is gone, the sender still read
+            silent[1].settimeout(2)
+            assert silent[1].recv(10) == b""
+        finally:
+            for ours, theirs in (silent, sending):
+                ours.close()
+                theirs.close()
+
+    asyncio.run(scenario())
+
+
 def test_the_depth_scan_is_linear_in_a_string_left_open():
     """256 KiB of \\" pairs in a string never closed, then enough commas to be refused: a
     pattern retried from every quote takes minutes here (9 s for 64 KB froze a service's

@@ -76,11 +76,14 @@ class LingeringClose:
         return len(self._kept)
 
     def adopt(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, body_unfinished: bool = False,
-              cut: bool = False) -> bool:
+              cut: bool = False, quiet: bool = False) -> bool:
         """Called from ``connection_lost`` of a connection closed without a reset: True when
         the socket lingers now (the caller does nothing more with it): it had unread bytes, or
         its request's body was still to come (on a busy machine the answer can be out before
-        the client's first body bytes are). ``cut``: the edge cut it, it lingers briefly."""
+        the client's first body bytes are). ``cut``: the edge cut it, it lingers briefly.
+        ``quiet``: it made room for a newcomer; a silent one goes after CUT_IDLE_S (a flood of
+        silent connections must not hold descriptors), one still sending is read as long as
+        any other."""
         try:
             fd = sock.fileno()
         except (OSError, ValueError):
@@ -99,7 +102,7 @@ class LingeringClose:
         state = {"last": loop.time(), "timer": None, "resume": None}
         started = loop.time()
         idle_s, total_s = (min(self.idle_s, CUT_IDLE_S), min(self.total_s, CUT_TOTAL_S)) if cut else \
-            (self.idle_s, self.total_s)
+            (min(self.idle_s, CUT_IDLE_S), self.total_s) if quiet else (self.idle_s, self.total_s)
         view = memoryview(self._buffer)
 
         def done() -> None:

@@ -80,6 +80,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._broken = False       # no more parsing on this connection
             self._was_reset = False
             self._cut = False          # cut by the edge (a deadline, a limit): a brief lingering close
+            self._gave_way = False     # closed to make room: lingers while its client still sends
             self._send_watch: SendWatch | None = None
             self._body_rate: BodyRate | None = None
             self._chunks = 0           # chunk headers of this request's body
@@ -108,7 +109,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             arriving = not self._broken and (self._phase == HEAD or self._waiting_bytes > 0
                                              or has_bytes_waiting(self.transport))
             self._broken = True
-            self._cut = True  # its partial head lingers briefly (CUT_IDLE_S), not a client's 5 s
+            self._gave_way = True  # silent, it lingers briefly (CUT_IDLE_S), not a client's 5 s
             self._disarm()
             if arriving:
                 self.transport.write(too_many_connections(limits.max_connections))
@@ -138,7 +139,8 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 # a body still arriving is read and dropped after the answer (its reset would
                 # destroy the answer; briefly after the edge cut it); else the answer's unsent
                 # tail is watched
-                if sock is not None and not lingering.adopt(self.loop, sock, self._phase == BODY, cut=self._cut):
+                if sock is not None and not lingering.adopt(self.loop, sock, self._phase == BODY, cut=self._cut,
+                                                            quiet=self._gave_way):
                     linger.adopt(self.loop, sock)
             super().connection_lost(exc)
 
