@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine with python3 (3.11+) and pip:
 #   ./dev.sh run [onecard run options]   the supervisor with configs/default.toml
-#   ./dev.sh test [pytest options]       the test suite, two workers per core (needs redis-server and
+#   ./dev.sh test [pytest options]       the test suite, two workers per CPU (needs redis-server and
 #                                        prometheus: Debian's packages, installed if missing)
 #   ./dev.sh sample [PATH]               write a real photo to try the services with (sample.jpg)
 #   ./dev.sh lint-deploy                 hadolint, kubernetes-validate and checkov on deploy/
@@ -145,10 +145,8 @@ case "$cmd" in
         setup
         step "ruff check . (lint and import order)"
         "$PY" -m ruff check --quiet . || { echo "ruff found problems (above); ruff check --fix . fixes most" >&2; exit 1; }
-        # two workers per core (at most 8; a container's CPU quota counts), a test file per worker (its module fixtures start
-        # services once): much of a test is waiting on processes, deadlines and sockets, and
-        # on 2 cores 4 workers end in 6.5 min where 2 took 8.7; pass -n yourself to choose
-        # (-n 0: one process)
+        # two workers per CPU, at most 8 (tests/workers.py), a test file per worker (its module
+        # fixtures start services once); pass -n yourself to choose (-n 0: one process)
         workers=$("$PY" -c 'from tests.workers import count; print(count())')
         case " $* " in
             *" -n"*|*" --numprocesses"*) exec "$PY" -m pytest "$@" ;;

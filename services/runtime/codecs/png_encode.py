@@ -1,9 +1,10 @@
 """PNG answers made with the GIL released for nearly all of the work.
 
-OpenCV's ``imencode`` compresses with the GIL released, but hands its output to Python as a
-copy made with the GIL held: a 36 MB PNG (a 12 MP answer) took 6 ms when numpy's huge
-pages came at once and 30 to 90 ms when the kernel compacted memory to find them (19 ms on
-4 KiB pages), and the event loop and its probes waited that long behind every big answer.
+OpenCV's ``imencode`` compresses with the GIL released, but hands its output over to Python
+(a numpy array of it, then its own buffer freed) with the GIL held: for a 36 MB PNG (a
+12 MP answer) 6 ms when numpy's huge pages came at once and 30 to 90 ms when the kernel
+compacted memory to find them (19 ms on 4 KiB pages), and the event loop and its probes
+waited that long behind every big answer.
 Here the same PNG (8-bit RGB, the Up filter on every row, zlib level 1 with run-length
 matching: PNG_PARAMS) is made in steps that each release the GIL or hold it for one slice
 only: the filter is a numpy subtraction, zlib compresses a megabyte of rows per call

@@ -31,9 +31,9 @@ def read_at_once(transport: Any) -> bool:
     """On a new connection whose client sent a small request with its connect (every probe,
     most clients), read it now instead of in the loop's next turn: a /healthz probe waits
     one turn fewer (accept, start, connection and read, answer), and in a turn of a busy
-    service every upload in flight moves a piece. An
-    upload's first piece (more bytes waiting) waits for the reader as before: a burst of
-    accepted uploads must not all be read in one turn. Whether it was read now."""
+    service every upload in flight moves a piece. An upload's first piece (more bytes
+    waiting) waits for the reader as before: a burst of accepted uploads must not all be
+    read in one turn. Whether it was read now."""
     read = getattr(transport, "_read_ready", None)  # asyncio's selector transport; others read as usual
     if read is None or transport.is_closing() or not getattr(transport, "is_reading", lambda: False)():
         return False
