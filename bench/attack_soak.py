@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", action="append", default=[], help="skip attacks whose name starts with this")
     ap.add_argument("--limit-gib", type=float, default=8.0)
     ap.add_argument("--settle", type=float, default=10.0, help="seconds after an attack before RSS is read")
+    ap.add_argument("--repeat", type=int, default=1, help="run the chosen attacks this many times (their spread)")
     ap.add_argument("--name", default="attack_soak")
     ap.add_argument("--budgets-from", help='with --report: budgets to judge by, JSON {"jobs": 1638.4}')
     ap.add_argument("--report", help="print the table of a saved result file (judged again) and exit")
@@ -151,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     attacks = [(n, f) for n, f in ISSUE_ATTACKS + OWN_ATTACKS
                if (not args.only or any(n.startswith(o) for o in args.only))
                and not any(n.startswith(s) for s in args.skip)]
+    if args.repeat > 1:
+        attacks = [(f"{n} #{k + 1}", f) for k in range(args.repeat) for n, f in attacks]
     u = Unit(limit=int(args.limit_gib * GIB)).start()
     rows: list[dict] = []
     try:

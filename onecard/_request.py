@@ -14,9 +14,9 @@ import numpy as np
 
 from services.runtime.codecs.base64_text import decode_base64
 from services.runtime.codecs.forms import parse_json, parse_multipart, text_fields
-from services.runtime.codecs.gil_lane import in_lane
 from services.runtime.codecs.images import DecodeLimits, ImageHeader, choose_format, decode_probed, probe_image
 from services.runtime.codecs.params import Params, as_text, merge, validate
+from services.runtime.codecs.raw_buffers import is_ascii
 from services.runtime.errors import ApiError
 from services.runtime.pipeline.raw_request import RawRequest
 from services.runtime.pipeline.settings import ModelServiceSettings
@@ -96,7 +96,7 @@ class Request:
             if cost is not None and len(body) >= COPIES_CHARGED_FROM:
                 # its strings (1 byte a character, up to 4 when one is not ASCII) and the
                 # pictures their base64 decodes to (3/4 of it at most)
-                ascii_only = in_lane(len(body), body.isascii)
+                ascii_only = is_ascii(body)
                 cost.hold_body_copies(len(body) * (1 if ascii_only else 4) + len(body) * 3 // 4)
             doc = parse_json(body, self._settings.max_json_depth)
             if isinstance(doc, dict) and len(doc) > self._settings.max_fields:

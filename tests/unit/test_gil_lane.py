@@ -21,6 +21,7 @@ from services.runtime.codecs.base64_text import decode_base64, encode_base64
 from services.runtime.codecs.forms import parse_json, parse_multipart
 from services.runtime.codecs.fresh_bytes import FreshAscii, FreshBytes
 from services.runtime.codecs.gil_lane import lane
+from services.runtime.codecs.raw_buffers import is_ascii
 from services.runtime.errors import ApiError
 from services.runtime.pipeline.cpu_pool import CpuPool
 
@@ -79,15 +80,24 @@ def _other_threads_ran_during(work, tries: int = 3) -> bool:
 HUGE = 48 << 20   # big enough that even libbase64 takes a few milliseconds on it
 
 
-@pytest.mark.parametrize("step", ["base64 in", "base64 in, data: URL", "base64 out", "fresh bytes copy"])
+@pytest.mark.parametrize("step", ["base64 in", "base64 in, data: URL", "base64 out", "fresh bytes copy",
+                                  "ASCII check"])
 def test_base64_and_big_copies_release_the_gil(step):
     raw = os.urandom(HUGE)
     text = base64.b64encode(raw).decode()
+    body = text.encode()
     work = {"base64 in": lambda: decode_base64(text, "image"),
             "base64 in, data: URL": lambda: decode_base64("data:image/png;base64," + text, "image"),
             "base64 out": lambda: encode_base64(raw),
-            "fresh bytes copy": lambda: FreshBytes(len(raw)).write(raw)}[step]
+            "fresh bytes copy": lambda: FreshBytes(len(raw)).write(raw),
+            "ASCII check": lambda: is_ascii(body)}[step]
     assert _other_threads_ran_during(work)
+
+
+def test_the_ascii_check_says_what_bytes_isascii_says():
+    for data in (b"", b"a", b"\x7f" * 5, b"\x80", b"plain text" * 1000 + b"\xff", bytes(range(128)),
+                 "caf\u00e9".encode(), os.urandom(4096)):
+        assert is_ascii(data) == data.isascii(), data[:20]
 
 
 def test_the_gil_check_sees_work_that_keeps_the_gil():

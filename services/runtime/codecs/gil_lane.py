@@ -51,6 +51,11 @@ def release_on(executor: concurrent.futures.Executor, garbage: list) -> None:
         garbage.clear()
 
 
+def release_here(garbage: list) -> None:
+    """Empty `garbage` on the calling thread (a CPU-pool thread), as ``release_on`` does."""
+    _clear(garbage)
+
+
 def _clear(garbage: list) -> None:
     hand_back_pages(garbage)   # the pages first, with the GIL released: the munmap then has none to free
     with _LANE:
