@@ -15,8 +15,8 @@ import numpy as np
 from services.runtime.codecs.base64_text import decode_base64
 from services.runtime.codecs.forms import parse_json, parse_multipart, text_fields
 from services.runtime.codecs.images import DecodeLimits, ImageHeader, choose_format, decode_probed, probe_image
+from services.runtime.codecs.json_big_strings import is_ascii
 from services.runtime.codecs.params import Params, as_text, merge, validate
-from services.runtime.codecs.raw_buffers import is_ascii
 from services.runtime.errors import ApiError
 from services.runtime.pipeline.raw_request import RawRequest
 from services.runtime.pipeline.settings import ModelServiceSettings

@@ -4,6 +4,7 @@ the body (its frames hold it) is freed there, not on the event loop that awaits 
 
 from __future__ import annotations
 
+import collections.abc
 import concurrent.futures
 import os
 import threading
@@ -104,3 +105,43 @@ def test_held_only_by_keeps_what_nothing_else_holds():
     del mine
     kept = held_only_by(values)
     assert values == [] and len(kept) == 1 and kept[0] is not shared and elsewhere == [shared]
+
+
+class _Unbound:
+    """Like a context-bound proxy used outside its context: its __class__ raises."""
+
+    @property
+    def __class__(self):
+        raise RuntimeError("working outside of application context")
+
+
+class _RefusingLocals(collections.abc.Mapping):
+    def __init__(self):
+        self.d = {}
+
+    def __getitem__(self, key):
+        return self.d[key]
+
+    def __setitem__(self, key, value):
+        self.d[key] = value
+
+    def __iter__(self):
+        return iter(self.d)
+
+    def __len__(self):
+        return len(self.d)
+
+    def values(self):
+        raise RuntimeError("values() not supported")
+
+
+def test_odd_locals_still_end_the_dry_run_with_its_answer():
+    def proxy_in_a_local(raw):
+        request = {"user": _Unbound(), "body": bytearray(8)}  # noqa: F841 -- only the hook holds it
+        raise DryRunComplete()
+
+    def locals_that_refuse(raw):
+        exec("raise DryRunComplete()", {"DryRunComplete": DryRunComplete}, _RefusingLocals())
+
+    assert _decode_or_none(proxy_in_a_local, object()) is None
+    assert _decode_or_none(locals_that_refuse, object()) is None

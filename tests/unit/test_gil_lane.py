@@ -21,7 +21,7 @@ from services.runtime.codecs.base64_text import decode_base64, encode_base64
 from services.runtime.codecs.forms import parse_json, parse_multipart
 from services.runtime.codecs.fresh_bytes import FreshAscii, FreshBytes
 from services.runtime.codecs.gil_lane import lane
-from services.runtime.codecs.raw_buffers import is_ascii
+from services.runtime.codecs.json_big_strings import is_ascii
 from services.runtime.errors import ApiError
 from services.runtime.pipeline.cpu_pool import CpuPool
 

@@ -95,6 +95,25 @@ def test_what_anything_else_can_reach_is_left_as_it_is(scenario):
     del holder
 
 
+def test_an_interned_string_is_left_as_it_is():
+    """The interned table's reference is not in the string's count: another thread interning
+    an equal string gets this very object back, so its pages must stay."""
+    import sys
+    garbage = [sys.intern("".join(["K"] * (2 * MB)))]  # only the list (and the table) hold it
+    assert hand_back_pages(garbage) == 0
+    garbage.clear()
+    assert sys.intern("".join(["K"] * (2 * MB))) == "K" * (2 * MB)
+
+
+def test_an_object_whose_class_lookup_raises_is_walked_past():
+    class Unbound:  # like a context-bound proxy outside its context
+        @property
+        def __class__(self):
+            raise RuntimeError("working outside of application context")
+
+    assert hand_back_pages([{"user": Unbound(), "body": _filled(2 * MB)}]) >= 2 * MB - 2 * 4096
+
+
 def test_small_objects_and_finalizers_are_not_touched():
     class Finalized:
         def __init__(self, data):

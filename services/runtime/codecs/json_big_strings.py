@@ -18,6 +18,7 @@ import json
 import secrets
 from typing import Any
 
+import numpy as np
 import pybase64
 
 from services.runtime.codecs.fresh_bytes import FreshAscii
@@ -51,6 +52,12 @@ def _base64_text(data: memoryview) -> str | None:
             return None
         out.write(piece)  # a copy that releases the GIL (fresh_bytes)
     return out.take()
+
+
+def is_ascii(data: bytes) -> bool:
+    """``data.isascii()`` with the GIL released: a numpy reduction (0.7 ms of GIL held for a
+    20 MB body the other way, far longer with its pages cold and the cores busy)."""
+    return len(data) == 0 or int(np.frombuffer(data, np.uint8).max()) < 0x80
 
 
 FIND_SLICE = 1 << 20

@@ -108,7 +108,8 @@ def _walk(garbage: list) -> tuple[list[Any], list[list[int]]]:
 def _walked(obj: Any) -> bool:
     """(Not gc.is_tracked: CPython stops tracking a dict or tuple that holds only objects the
     collector does not track, as numpy arrays are, and get_referents walks it all the same.)"""
-    return not isinstance(obj, _NOT_WALKED) and not hasattr(type(obj), "__del__")  # a finalizer might read it
+    # (the type itself, not isinstance: a proxy's __class__ is code of its own, and may raise)
+    return not issubclass(type(obj), _NOT_WALKED) and not hasattr(type(obj), "__del__")  # a finalizer might read it
 
 
 def _big_buffer(obj: Any, min_bytes: int = MIN_BYTES) -> bool:
@@ -117,13 +118,22 @@ def _big_buffer(obj: Any, min_bytes: int = MIN_BYTES) -> bool:
     kind = type(obj)
     if kind is bytes or kind is bytearray:
         return len(obj) >= min_bytes
-    if kind is str:
-        return obj.isascii() and len(obj) >= min_bytes  # a compact ASCII str: its characters are its bytes
+    if kind is str:  # a compact ASCII str: its characters are its bytes
+        return obj.isascii() and len(obj) >= min_bytes and not _interned(obj)
     if kind.__name__ == "ndarray" and kind.__module__ == "numpy":
         # (not an array of objects: its data are references, which must still be released)
         return (obj.nbytes >= min_bytes and obj.base is None and obj.flags.owndata and obj.flags.c_contiguous
                 and not obj.dtype.hasobject)
     return False
+
+
+_STR_STATE = 4 * ctypes.sizeof(ctypes.c_ssize_t)  # PyASCIIObject: refcount, type, length, hash, then state
+
+
+def _interned(text: str) -> bool:
+    """Whether the str is interned: the table's reference is not in its count (3.11, 3.13),
+    and another thread interning an equal string would get this very object back."""
+    return ctypes.c_uint32.from_address(id(text) + _STR_STATE).value & 3 != 0
 
 
 def _span(obj: Any) -> tuple[int, int] | None:

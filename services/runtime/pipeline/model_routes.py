@@ -256,9 +256,15 @@ def _decode_or_none(decode: Callable[[RawRequest], Work | None], raw: RawRequest
     try:
         return decode(raw)
     except DryRunComplete as end:
-        made = frame_locals(end.__traceback__.tb_next)  # (not this frame's own: decode, raw)
+        try:
+            made = frame_locals(end.__traceback__.tb_next)  # (not this frame's own: decode, raw)
+        except Exception:  # noqa: BLE001 -- a hook's odd locals: freed as they are, the dry run answered
+            return None
     # the exception and its frames are gone: what only `made` holds now is the hook's alone
-    release_here(held_only_by(made))
+    try:
+        release_here(held_only_by(made))
+    except Exception:  # noqa: BLE001 -- an optimisation, never the dry run's answer
+        made.clear()
     return None
 
 
