@@ -173,7 +173,11 @@ class JobsSettings(ServiceSettings):
                                      "any unit has announced them (units scaled to zero)")
     default_models: dict[str, str] = Field(default_factory=dict,
                                            description="service name -> model label used when a job names none")
-    max_body_bytes: int = Field(32 * 2**20, ge=1024, description="larger submit bodies get 413")
+    # one picture of max_image_bytes in base64 (26.7 MiB) and 1.3 MiB of the rest: a body past
+    # that could never pass the image check, and reading 200 of them whole (32 MiB) took
+    # the two cores from every service's probes
+    max_body_bytes: int = Field(28 * 2**20, ge=1024, description="larger submit bodies get 413 (one "
+                                "max_image_bytes picture in base64 and 1.3 MiB of the rest)")
     max_image_bytes: int = Field(20 * 2**20, ge=1024, description="a decoded image over this gets 413")
     max_pixels: int = Field(40_000_000, ge=1, description="an image over this many pixels (from its header) gets 413")
     max_queued_jobs: int = Field(10_000, ge=1, description="queued jobs per model beyond this get 503")

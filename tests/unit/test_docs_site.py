@@ -82,7 +82,7 @@ def test_the_configuration_reference_lists_every_key_with_its_default_and_bounds
         assert f"| `{name}` |" in page, name
     assert "| `grace_s` | number | `10` | > 0, ≤ 3600 | SIGTERM to SIGKILL wait |" in page
     assert "| `max_body_bytes` | integer | `20 MiB` | ≥ 1 KiB, ≤ 2 GiB |" in page
-    assert "| `max_body_bytes` | integer | `32 MiB` (instead of `20 MiB`) |" in page  # the jobs service's
+    assert "| `max_body_bytes` | integer | `28 MiB` (instead of `20 MiB`) |" in page  # the jobs service's
 
 
 def test_a_note_for_a_key_that_does_not_exist_stops_the_generator(monkeypatch):

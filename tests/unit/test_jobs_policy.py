@@ -284,3 +284,13 @@ def test_lua_scripts_take_their_keys_and_arguments_by_name_only():
         script.bind({"job": "j"}, {"lease": "a"}, extra_keys=["k"])  # not a variadic script
     assert SCRIPTS["SUBMIT"].denies_oom and SCRIPTS["REDRIVE"].denies_oom  # they add work: a full Redis refuses them
     assert not any(s.denies_oom for name, s in SCRIPTS.items() if name not in ("SUBMIT", "REDRIVE"))
+
+
+def test_the_default_body_limit_fits_one_largest_picture_and_little_else():
+    """A submit body past one max_image_bytes picture in base64 (and some room for the rest)
+    could never pass the image check: it is refused by its declared length, before it is read
+    (200 such 30 MB bodies read whole took the two cores from every service's probes)."""
+    s = JobsSettings()
+    one_picture = -(-s.max_image_bytes // 3) * 4
+    assert one_picture + 1024 * 1024 <= s.max_body_bytes <= one_picture + 2 * 1024 * 1024
+    assert s.max_body_bytes < 30_000_000  # the issue's 30 MB submits
