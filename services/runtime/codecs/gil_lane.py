@@ -46,17 +46,14 @@ def release_on(executor: concurrent.futures.Executor, garbage: list) -> None:
     should not spend; their pages go first, with the GIL released (page_release). The
     caller keeps no other reference."""
     try:
-        executor.submit(_clear, garbage)
+        executor.submit(release_here, garbage)
     except RuntimeError:  # shut down: here then
         garbage.clear()
 
 
 def release_here(garbage: list) -> None:
-    """Empty `garbage` on the calling thread (a CPU-pool thread), as ``release_on`` does."""
-    _clear(garbage)
-
-
-def _clear(garbage: list) -> None:
+    """Empty `garbage` on the calling thread (a CPU-pool thread): its big buffers hand back
+    their pages first, then the objects are freed in the lane."""
     hand_back_pages(garbage)   # the pages first, with the GIL released: the munmap then has none to free
     with _LANE:
         garbage.clear()

@@ -61,4 +61,3 @@ def copy_into(address: int, piece: bytes | bytearray | memoryview) -> None:
         ctypes.memmove(address, view.buf, view.len)
     finally:
         _release_buffer(ctypes.byref(view))
-
