@@ -172,8 +172,14 @@ class Consumer:
                 backoff = min(2.0, backoff * 2)
                 continue
             self.room.give(n - len(deliveries))
-            for d in deliveries:
-                self._spawn(d)
+            self._spawn_all(deliveries)
+            # Bound here, the last batch (bodies of tens of MB each) would outlive its jobs for
+            # as long as the loop waits for new work: for good on an idle unit.
+            del deliveries
+
+    def _spawn_all(self, deliveries: list[Delivery]) -> None:
+        for d in deliveries:
+            self._spawn(d)
 
     def _spawn(self, d: Delivery) -> None:
         self.running[d.job_id] = Running(d)

@@ -1,0 +1,75 @@
+"""A finished job's body is not kept alive by the consumer that ran it (services.jobs.consumer).
+
+The take loop bound the last batch it took to its locals while it waited for the next take:
+with no new work, the bodies of up to max_in_flight jobs (20 MB each in the attack soak's
+9j) stayed in memory for good after their jobs had succeeded (+136 MiB in the jobs service)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+
+from services.jobs.consumer import Consumer
+from services.jobs.memory_broker import MemoryBroker
+from services.jobs.metrics import JobsMetrics
+from services.jobs.records import Delivery, NewJob
+from services.jobs.settings import JobsSettings, QueueSettings, TargetSettings
+from services.jobs.targets import Target
+
+
+async def _service():
+    """A local service that answers every job at once (and /readyz)."""
+    async def handle(reader, writer):
+        try:
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+                length = next((int(line.split(":", 1)[1]) for line in head.split("\r\n")
+                               if line.startswith("content-length:")), 0)
+                await reader.readexactly(length)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+def _alive_bodies() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, Delivery))
+
+
+def test_the_bodies_of_finished_jobs_are_not_held_by_the_consumer():
+    async def main():
+        server = await _service()
+        port = server.sockets[0].getsockname()[1]
+        target = Target("svc", f"http://127.0.0.1:{port}", TargetSettings(), run_timeout_s=10, dry_run_timeout_s=5,
+                        label="m", routes=["/api/v1/run"], max_in_flight=3)
+        broker = MemoryBroker(QueueSettings(prefix="t", retry_backoff_s=0), "n1", 100)
+        await broker.start()
+        consumer = Consumer(broker, target, JobsSettings(), JobsMetrics(), renew_period_s=1.0)
+        try:
+            ids = []
+            for k in range(5):
+                job = NewJob(id=f"{k:032x}", service="svc", route="/api/v1/run", model="m",
+                             body=b'{"x": "%s"}' % (b"a" * (1 << 20)), request_sha=str(k), idempotency_key=None,
+                             created_at=time.time())
+                ids.append((await broker.submit(job, "m")).id)
+            consumer.start()
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                states = [(await broker.get(i))["state"] for i in ids]
+                if all(s == "succeeded" for s in states):
+                    break
+                await asyncio.sleep(0.05)
+            assert states == ["succeeded"] * 5
+            await asyncio.sleep(0.2)  # the take loop is back waiting for work
+            assert not consumer.running and broker.bodies_bytes == 0
+            return _alive_bodies()
+        finally:
+            await consumer.stop(0)
+            await broker.close()
+            await target.close()
+            server.close()
+
+    assert asyncio.run(main()) == 0
