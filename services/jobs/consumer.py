@@ -197,26 +197,31 @@ class Consumer:
         while True:
             await self._has_running.wait()
             await asyncio.sleep(self.renew_period_s)
-            runs = list(self.running.values())
-            if not runs:
-                self._has_running.clear()
-                continue
-            try:
-                verdicts = await self.broker.renew(self.label, [r.delivery for r in runs])
-            except QueueUnavailable as exc:
-                log.warning("jobs: cannot renew running jobs of %s: %s", self.label, exc)
-                continue
-            except Exception:  # noqa: BLE001
-                log.exception("jobs: renewing %s failed", self.label)
-                continue
-            for run in runs:
-                verdict = verdicts.get(run.delivery.job_id)
-                if verdict == "cancel":
-                    self._interrupt(run, CANCEL)
-                elif verdict == "lost":
-                    log.warning("jobs: %s was taken over by another unit (this one stalled past the visibility "
-                                "timeout); this run stops and writes nothing", run.delivery.job_id)
-                    self._interrupt(run, LOST)
+            await self._renew_running()
+
+    async def _renew_running(self) -> None:
+        # A method of its own: the runs it looks at hold their jobs' bodies, which must not stay
+        # bound in the loop's frame while it sleeps (a renew period after the jobs have ended).
+        runs = list(self.running.values())
+        if not runs:
+            self._has_running.clear()
+            return
+        try:
+            verdicts = await self.broker.renew(self.label, [r.delivery for r in runs])
+        except QueueUnavailable as exc:
+            log.warning("jobs: cannot renew running jobs of %s: %s", self.label, exc)
+            return
+        except Exception:  # noqa: BLE001
+            log.exception("jobs: renewing %s failed", self.label)
+            return
+        for run in runs:
+            verdict = verdicts.get(run.delivery.job_id)
+            if verdict == "cancel":
+                self._interrupt(run, CANCEL)
+            elif verdict == "lost":
+                log.warning("jobs: %s was taken over by another unit (this one stalled past the visibility "
+                            "timeout); this run stops and writes nothing", run.delivery.job_id)
+                self._interrupt(run, LOST)
 
     # ---- running one job -----------------------------------------------------------
     async def _run(self, d: Delivery) -> None:

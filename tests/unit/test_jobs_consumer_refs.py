@@ -2,7 +2,8 @@
 
 The take loop bound the last batch it took to its locals while it waited for the next take:
 with no new work, the bodies of up to max_in_flight jobs (20 MB each in the attack soak's
-9j) stayed in memory for good after their jobs had succeeded (+136 MiB in the jobs service)."""
+9j) stayed in memory for good after their jobs had succeeded (+136 MiB in the jobs service).
+The lease-renewing loop did the same with the runs it had renewed, for a renew period."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from services.jobs.settings import JobsSettings, QueueSettings, TargetSettings
 from services.jobs.targets import Target
 
 
-async def _service():
-    """A local service that answers every job at once (and /readyz)."""
+async def _service(delay_s: float):
+    """A local service that answers every job after ``delay_s`` (and /readyz)."""
     async def handle(reader, writer):
         try:
             while True:
@@ -27,6 +28,7 @@ async def _service():
                 length = next((int(line.split(":", 1)[1]) for line in head.split("\r\n")
                                if line.startswith("content-length:")), 0)
                 await reader.readexactly(length)
+                await asyncio.sleep(delay_s)
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -40,14 +42,24 @@ def _alive_bodies() -> int:
 
 
 def test_the_bodies_of_finished_jobs_are_not_held_by_the_consumer():
+    # The jobs run 1.2 s, so leases are renewed (at 1 s) while they run; the check comes
+    # before the next renewal.
     async def main():
-        server = await _service()
+        server = await _service(1.2)
         port = server.sockets[0].getsockname()[1]
         target = Target("svc", f"http://127.0.0.1:{port}", TargetSettings(), run_timeout_s=10, dry_run_timeout_s=5,
-                        label="m", routes=["/api/v1/run"], max_in_flight=3)
+                        label="m", routes=["/api/v1/run"], max_in_flight=5)
         broker = MemoryBroker(QueueSettings(prefix="t", retry_backoff_s=0), "n1", 100)
         await broker.start()
         consumer = Consumer(broker, target, JobsSettings(), JobsMetrics(), renew_period_s=1.0)
+        renewed = []
+        real_renew = broker.renew
+
+        async def renew(label, deliveries):
+            renewed.append(len(deliveries))
+            return await real_renew(label, deliveries)
+
+        broker.renew = renew
         try:
             ids = []
             for k in range(5):
@@ -65,6 +77,7 @@ def test_the_bodies_of_finished_jobs_are_not_held_by_the_consumer():
             assert states == ["succeeded"] * 5
             await asyncio.sleep(0.2)  # the take loop is back waiting for work
             assert not consumer.running and broker.bodies_bytes == 0
+            assert renewed and renewed[0] == 5  # the renewing loop has seen the runs
             return _alive_bodies()
         finally:
             await consumer.stop(0)

@@ -226,3 +226,25 @@ def test_a_batch_is_formed_to_fit_the_call_memory_budget_and_splits_a_request():
     batches = run(main())
     # 100 B/px x 1000 px x margin 1.25 = 125 kB an item: two fit in 300 kB, three do not
     assert batches == [["blocker"], ["m0", "m1"], ["m2", "m3"], ["m4"]]
+
+
+def test_the_last_batch_is_not_kept_alive_once_answered():
+    """The batch loop waits for the next request with nothing of the last one bound: a big
+    picture and its answer stayed in memory until the next request (for good when idle)."""
+    import gc
+    import weakref
+
+    async def main():
+        sched, backend = scheduler()
+        items = [Item(f"x{k}") for k in range(3)]
+        refs = [weakref.ref(i) for i in items]
+        out = await sched.submit(items, "k", Timing(), None)
+        del items
+        await asyncio.sleep(0.05)  # the loop is back waiting for work
+        gc.collect()
+        alive = [r() for r in refs if r() is not None]
+        await sched.stop()
+        return out, alive
+
+    out, alive = run(main())
+    assert out == ["out:x0", "out:x1", "out:x2"] and alive == []

@@ -270,6 +270,9 @@ class Scheduler:
             batch = self._take_batch()
             if batch:
                 await self._run(batch)
+            # Bound here, the last batch's requests (their pictures and answers) would live on
+            # for as long as the loop waits for the next one: for good on an idle service.
+            del batch
 
     async def _fill_window(self, window: float) -> None:
         """The fixed policy: wait until the head has waited `window` or the batch is full."""
