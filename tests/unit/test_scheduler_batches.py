@@ -248,3 +248,83 @@ def test_the_last_batch_is_not_kept_alive_once_answered():
 
     out, alive = run(main())
     assert out == ["out:x0", "out:x1", "out:x2"] and alive == []
+
+
+def test_a_failed_call_frees_its_pictures_without_waiting_for_a_full_collection():
+    """The failure is raised on with its traceback, whose frames held the batch, the model's
+    own buffers and the job (which holds the failure): a cycle, so a failed request's pictures
+    stayed until the cyclic collector's next full pass (minutes on an idle service). Checked
+    with the collector off: reference counts alone must free them. The traceback still names
+    the model's line, for the log."""
+    import gc
+    import traceback
+    import weakref
+
+    class Buffer:  # what a model holds mid-call (a tensor)
+        pass
+
+    async def main():
+        sched, backend = scheduler()
+        buffers = []
+
+        def failing(items):
+            held = [Buffer() for _ in items]
+            buffers.extend(weakref.ref(b) for b in held)
+            raise RuntimeError("the model broke")
+        backend.infer_batch = failing
+        items = [Item(f"x{k}") for k in range(2)]
+        refs = [weakref.ref(i) for i in items]
+        try:
+            await sched.submit(items, "k", Timing(), None)
+        except RuntimeError as exc:
+            where = [f.name for f in traceback.extract_tb(exc.__traceback__)]
+        del items
+        await asyncio.sleep(0.05)  # the loop is back waiting for work
+        alive = sum(r() is not None for r in refs + buffers)
+        await sched.stop()
+        return where, alive, len(buffers)
+
+    gc.disable()
+    try:
+        where, alive, made = run(main())
+    finally:
+        gc.enable()
+    assert "failing" in where and made >= 2 and alive == 0
+
+
+def test_a_failed_call_of_an_abandoned_request_frees_its_pictures():
+    """Nobody raises the failure of a request abandoned mid-call: it stays in the job's
+    results, and its traceback held the call's frame, which holds the results (a cycle) and
+    the batch. Reference counts alone must free them (the collector is off)."""
+    import gc
+    import weakref
+
+    async def main():
+        sched, backend = scheduler()
+        backend.gate.clear()
+        real = backend.infer_batch
+
+        def failing(items):
+            real(items)  # waits on the gate
+            raise RuntimeError("the model broke")
+        backend.infer_batch = failing
+        items = [Item("x0")]
+        refs = [weakref.ref(i) for i in items]
+        task = asyncio.ensure_future(sched.submit(items, "k", Timing(), None))
+        del items
+        await asyncio.get_running_loop().run_in_executor(None, backend.entered.wait, 5)
+        task.cancel()  # the request goes while its call runs
+        await asyncio.gather(task, return_exceptions=True)
+        del task  # (a cancelled task keeps its CancelledError, whose frames hold the items)
+        backend.gate.set()
+        await asyncio.sleep(0.1)  # the call has failed, the loop is back waiting for work
+        alive = sum(r() is not None for r in refs)
+        await sched.stop()
+        return alive, backend.batches
+
+    gc.disable()
+    try:
+        alive, batches = run(main())
+    finally:
+        gc.enable()
+    assert batches == [["x0"]] and alive == 0

@@ -20,6 +20,7 @@ import collections
 import logging
 import threading
 import time
+import traceback
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -158,6 +159,14 @@ class Scheduler:
             return await self._await_job(job, gone, timing)
         except asyncio.CancelledError:  # the drain ran out of time: stop its work too
             self._abandon(job, "shutdown")
+            raise
+        except Exception as exc:
+            # The failure goes on up with its traceback, whose frames hold the job, which holds
+            # the failure: a cycle that kept the request's pictures (and, through the route's
+            # frame, its body) until a full collection, minutes on an idle service. The frames
+            # below are done; their lines stay for the log, their locals go.
+            traceback.clear_frames(exc.__traceback__.tb_next)
+            del job
             raise
         finally:
             if gone is not None:
@@ -337,6 +346,11 @@ class Scheduler:
         dt = t1 - t0
         self.batches += 1
         self.items_run += len(batch)
+        for result in results:
+            if isinstance(result, BaseException):
+                # done frames only (the call's, the model's): their locals are the batch's pictures
+                # and the model's own buffers, and _infer's frame holds the failure (a cycle)
+                traceback.clear_frames(result.__traceback__)
         for entry, result in zip(batch, results, strict=False):
             job = entry.job
             job.results[entry.index] = result
