@@ -263,6 +263,10 @@ class Consumer:
             return None
         finally:
             run.waiting_on = None
+            # A failure leaving here carries this frame in its traceback: kept bound, the task
+            # (which holds the failure) would close a cycle that pins the call's frames, the
+            # job's body among them, until a full collection.
+            del task
 
     async def _attempt(self, d: Delivery) -> None:
         run = self.running[d.job_id]

@@ -86,3 +86,76 @@ def test_the_bodies_of_finished_jobs_are_not_held_by_the_consumer():
             server.close()
 
     assert asyncio.run(main()) == 0
+
+
+async def _crashes_once():
+    """A local service that drops its first job without answering (it went away), then answers."""
+    calls = []
+
+    async def handle(reader, writer):
+        try:
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+                length = next((int(line.split(":", 1)[1]) for line in head.split("\r\n")
+                               if line.startswith("content-length:")), 0)
+                await reader.readexactly(length)
+                if head.startswith("post"):
+                    calls.append(length)
+                    if len(calls) == 1:
+                        writer.transport.abort()
+                        return
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+    return await asyncio.start_server(handle, "127.0.0.1", 0), calls
+
+
+def test_a_run_that_lost_its_service_frees_its_body_without_a_collection():
+    """A failed call's exception, its task and the waiting frame made a cycle that held the
+    job's body (and the answer read so far) until a full collection: minutes on an idle unit."""
+    import weakref
+
+    async def main():
+        server, calls = await _crashes_once()
+        port = server.sockets[0].getsockname()[1]
+        target = Target("svc", f"http://127.0.0.1:{port}", TargetSettings(), run_timeout_s=10, dry_run_timeout_s=5,
+                        label="m", routes=["/api/v1/run"], max_in_flight=1)
+        broker = MemoryBroker(QueueSettings(prefix="t", retry_backoff_s=0), "n1", 100)
+        await broker.start()
+        consumer = Consumer(broker, target, JobsSettings(), JobsMetrics(), renew_period_s=30.0)
+        taken = []
+        real_take = broker.take
+
+        async def take(label, n, block_s):
+            got = await real_take(label, n, block_s)
+            taken.extend(weakref.ref(d) for d in got)
+            return got
+
+        broker.take = take
+        try:
+            job = NewJob(id="0" * 32, service="svc", route="/api/v1/run", model="m",
+                         body=b'{"x": "%s"}' % (b"a" * (1 << 20)), request_sha="s", idempotency_key=None,
+                         created_at=time.time())
+            await broker.submit(job, "m")
+            del job
+            consumer.start()
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and (await broker.get("0" * 32))["state"] != "succeeded":
+                await asyncio.sleep(0.05)
+            assert (await broker.get("0" * 32))["state"] == "succeeded" and len(calls) == 2
+            await asyncio.sleep(0.2)
+            return [r() for r in taken if r() is not None]
+        finally:
+            await consumer.stop(0)
+            await broker.close()
+            await target.close()
+            server.close()
+
+    gc.collect()
+    gc.disable()
+    try:
+        alive = asyncio.run(main())
+    finally:
+        gc.enable()
+    assert alive == []
