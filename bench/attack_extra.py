@@ -221,6 +221,13 @@ def header_oddities(u, ctx) -> Result:
     return {"statuses": tally(rs), "notes": {}}
 
 
+def junk_submits_under_the_limit(u, ctx) -> Result:
+    """Attack 5 within the jobs body limit: 200 concurrent submits of 27 MiB whose image is
+    valid base64 but no picture. Each must be read and looked at before it can be refused."""
+    from bench.attack_classes import jobs_big_submits
+    return jobs_big_submits(u, ctx, n=200, size=27 * 2**20)
+
+
 OWN_ATTACKS = [
     ("B1 JSON of millions of [] (GIL, memory)", json_tiny_containers),
     ("B2 numbers at the edges", json_odd_numbers),
@@ -236,4 +243,5 @@ OWN_ATTACKS = [
     ("B12 EXIF bombs", exif_bombs),
     ("B13 slow encode (40 MP webp/png)", slow_encode),
     ("B14 header oddities", header_oddities),
+    ("B15 200 junk submits under the body limit", junk_submits_under_the_limit),
 ]
