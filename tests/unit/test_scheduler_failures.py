@@ -251,3 +251,35 @@ def test_memory_is_freed_on_the_worker_thread_never_on_the_event_loop():
 
     loop_thread, threads = run(main())
     assert len(threads) == 2 and all(t is not loop_thread for t in threads)
+
+
+def test_memory_is_freed_after_out_of_memory_with_the_failed_call_s_buffers_already_let_go():
+    """The failure's traceback held the frames of the call that ran out, and with them what
+    the model had allocated: the cache could not be given back while it was still held."""
+    import gc
+    import weakref
+
+    class Buffer:
+        pass
+
+    async def main():
+        sched, backend = scheduler()
+        seen = {}
+
+        def oom(items):
+            activations = Buffer()
+            seen["ref"] = weakref.ref(activations)
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2 GiB")
+
+        def free():
+            gc.collect()
+            seen["held_when_freed"] = seen["ref"]() is not None
+        backend.infer_batch = oom
+        backend.on_out_of_memory = free
+        with pytest.raises(ApiError) as err:
+            await sched.submit([Item("big")], "k", Timing(), None)
+        await sched.stop()
+        return err.value, seen
+
+    err, seen = run(main())
+    assert (err.status, err.code) == (503, "out_of_memory") and seen["held_when_freed"] is False

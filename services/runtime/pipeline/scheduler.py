@@ -414,6 +414,9 @@ class Scheduler:
         """On the worker: a full collection and the allocator's cache given back are not the
         event loop's work (nor is touching the GPU from another thread than the model's)."""
         log.warning("GPU out of memory: %s", exc)
+        # The failed call's frames (done: the model's, the worker's) still hold its tensors
+        # through the traceback, so nothing they hold could be given back; their lines stay.
+        traceback.clear_frames(exc.__traceback__)
         try:
             await self.worker.run(self.backend.on_out_of_memory, tracked=False)
         except Exception:  # noqa: BLE001 - freeing memory must not turn one 503 into a crash
