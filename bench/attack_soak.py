@@ -9,8 +9,9 @@ control socket, the probe port on 127.0.0.1). The attacks: the issue's classes
 the attackers' status codes (5xx?), whether the unit still runs (else its exit code, and a
 fresh unit for the next attack), the orchestrator's failed probes, public /healthz p50/p99/max
 per service during the attack, a legitimate 64x64 request's statuses and latency, per-process
-peak RSS and the cgroup's peak, RSS 10 s after the attack against before, and the bytes the
-unit logged. Writes bench/results/attack_soak.json and prints a table.
+peak RSS and the cgroup's peak, RSS 10 s after the attack against before (each the lowest of
+the last second: not a legitimate request's working memory), and the bytes the unit logged.
+Writes bench/results/attack_soak.json and prints a table.
 
 Goals (the bounded-cost issue): 0 unit exits, 0 probe failures, 0 5xx, RSS within the budgets
 and back near its start, /healthz p99 <= 20 ms. Timings from a shared 2-core machine are

@@ -69,6 +69,20 @@ class Sampler(threading.Thread):
         row["cgroup"] = self.group.usage()
         return row
 
+    def floor(self, seconds: float = 1.0) -> dict[str, int | None]:
+        """Each process's lowest RSS over the last ``seconds`` (now when there is no sample):
+        what it holds, not a legitimate request's working memory caught at the instant of one
+        reading (the once-a-second 64x64 request adds about 60 MiB to detect while it runs)."""
+        now = self.now()
+        t1 = time.monotonic()
+        out: dict[str, int | None] = dict(now)
+        for t, row in list(self.samples):
+            if t >= t1 - seconds:
+                for k, v in row.items():
+                    if v is not None and (out.get(k) is None or v < out[k]):
+                        out[k] = v
+        return out
+
     def peak(self, t0: float, t1: float) -> dict[str, int]:
         out: dict[str, int] = {}
         for t, row in self.samples:
@@ -214,7 +228,7 @@ class Window:
     oom0: int = 0
 
     def open(self) -> Window:
-        self.before = self.unit.sampler.now()
+        self.before = self.unit.sampler.floor()
         self.log0 = self.unit.log_size()
         self.oom0 = self.unit.group.oom_kills()
         self.peak_reset = self.unit.group.reset_peak()
@@ -228,7 +242,7 @@ class Window:
         while time.monotonic() < deadline and u.alive():
             time.sleep(0.2)
         t_after = time.monotonic()
-        after = u.sampler.now() if u.alive() else {}
+        after = u.sampler.floor() if u.alive() else {}
         peaks = u.sampler.peak(self.t0, t_after)
         orch = [r for r in read_jsonl(u.files["orchestrator"]) if self.t0 <= r["t"] <= t_after]
         public = [r for r in read_jsonl(u.files["public"]) if self.t0 <= r["t"] <= t1]
