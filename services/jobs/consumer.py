@@ -155,27 +155,35 @@ class Consumer:
                 await asyncio.sleep(hold)
                 continue
             n = self.room.take_all()
-            try:
-                deliveries = await self.broker.take(self.label, n, block_s=5.0)
-                backoff = 0.1
-            except asyncio.CancelledError:
-                self.room.give(n)
-                raise
-            except Exception as exc:  # noqa: BLE001 - the loop outlives any one failure
-                self.room.give(n)
-                self.loop_errors += 1
-                if isinstance(exc, QueueUnavailable):
-                    log.warning("jobs: queue unavailable for %s (%s); retrying in %.1f s", self.label, exc, backoff)
-                else:
-                    log.exception("jobs: taking %s jobs failed", self.label)
+            deliveries = await self._take(n, backoff)
+            if deliveries is None:
                 await asyncio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
                 continue
+            backoff = 0.1
             self.room.give(n - len(deliveries))
             self._spawn_all(deliveries)
             # Bound here, the last batch (bodies of tens of MB each) would outlive its jobs for
             # as long as the loop waits for new work: for good on an idle unit.
             del deliveries
+
+    async def _take(self, n: int, backoff: float) -> list[Delivery] | None:
+        """Up to ``n`` jobs, or None when the take failed (logged; the slots given back). The
+        caller sleeps its backoff once out of here: a failure still held while it sleeps keeps
+        the frames of its context alive, with what a failed take had read (job bodies)."""
+        try:
+            return await self.broker.take(self.label, n, block_s=5.0)
+        except asyncio.CancelledError:
+            self.room.give(n)
+            raise
+        except Exception as exc:  # noqa: BLE001 - the loop outlives any one failure
+            self.room.give(n)
+            self.loop_errors += 1
+            if isinstance(exc, QueueUnavailable):
+                log.warning("jobs: queue unavailable for %s (%s); retrying in %.1f s", self.label, exc, backoff)
+            else:
+                log.exception("jobs: taking %s jobs failed", self.label)
+            return None
 
     def _spawn_all(self, deliveries: list[Delivery]) -> None:
         for d in deliveries:

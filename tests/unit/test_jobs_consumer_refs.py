@@ -159,3 +159,55 @@ def test_a_run_that_lost_its_service_frees_its_body_without_a_collection():
     finally:
         gc.enable()
     assert alive == []
+
+
+def test_a_failed_take_keeps_nothing_it_read_while_the_loop_backs_off():
+    """The take loop slept its backoff inside the handler of the failure, whose context (the
+    timeout a Redis take ran into) held the take's frame and what it had read: job bodies."""
+    import weakref
+
+    from services.jobs.broker import QueueUnavailable
+
+    class Read:  # stands for the bodies a failed take had read
+        pass
+
+    async def main():
+        target = Target("svc", "http://127.0.0.1:9", TargetSettings(), run_timeout_s=10, dry_run_timeout_s=5,
+                        label="m", routes=["/api/v1/run"], max_in_flight=1, up=True)
+        broker = MemoryBroker(QueueSettings(prefix="t", retry_backoff_s=0), "n1", 100)
+        await broker.start()
+        consumer = Consumer(broker, target, JobsSettings(), JobsMetrics(), renew_period_s=30.0)
+        read = []
+
+        async def take(label, n, block_s):
+            bodies = Read()
+            read.append(weakref.ref(bodies))
+            try:
+                raise TimeoutError("the queue did not answer")
+            except TimeoutError:
+                raise QueueUnavailable("timeout") from None
+
+        broker.take = take
+        alive = []
+        try:
+            consumer.start()
+            for _ in range(6):  # the backoff doubles from 0.1 s: most of this time is spent sleeping it
+                await asyncio.sleep(0.13)
+                alive.append(sum(r() is not None for r in read))
+            return alive, len(read), consumer.loop_errors
+        finally:
+            await consumer.stop(0)
+            await broker.close()
+            await target.close()
+
+    import logging
+    jobs_log = logging.getLogger("onecard.jobs")
+    jobs_log.propagate = False  # pytest's capture keeps every record, and a record its exception
+    gc.collect()
+    gc.disable()
+    try:
+        alive, takes, errors = asyncio.run(main())
+    finally:
+        gc.enable()
+        jobs_log.propagate = True
+    assert takes >= 2 and errors == takes and alive == [0] * 6
