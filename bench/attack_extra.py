@@ -228,6 +228,30 @@ def junk_submits_under_the_limit(u, ctx) -> Result:
     return jobs_big_submits(u, ctx, n=200, size=27 * 2**20)
 
 
+# ---- metadata that inflates in the decoder ----------------------------------------------------------
+def png_text_bombs(u, ctx) -> Result:
+    """48x32 PNGs whose compressed text chunks (zTXt, iTXt) inflate to 7.9 MB each, 500 of
+    them (under the 512-chunk limit, 3.9 MB on the wire): after the pixels, where a header
+    reader never looks but libpng (OpenCV's decoder) keeps every one it inflates; and 64
+    before them, 1 MB each, which Pillow's header read inflates (within its own 64 MB bound).
+    4 at once to detect, 2 to img2img, then the webui's extras and png-info."""
+    cases = {"zTXt x500 after IDAT": I.text_bomb_png(500), "iTXt x500 after IDAT": I.text_bomb_png(500, kind=b"iTXt"),
+             "zTXt x64 1MB before IDAT": I.text_bomb_png(64, 1_000_000, after_pixels=False)}
+    rs, notes = [], {}
+    for name, data in cases.items():
+        got = concurrently(lambda i, data=data: request(u.ports["detect"], "POST", "/api/v1/facedetect", data,
+                                                        {"Content-Type": "image/png"}, timeout=120), 4)
+        got += concurrently(lambda i, data=data: request(u.ports["img2img"], "POST", "/api/v1/img2img?style=3",
+                                                         data, {"Content-Type": "image/png"}, keep_body=False,
+                                                         timeout=120), 2)
+        got.append(post_json(u.ports["img2img"], "/sdapi/v1/extra-single-image",
+                             {"image": b64(data), "upscaler_1": "Lanczos", "upscaling_resize": 2}, keep_body=False))
+        got.append(post_json(u.ports["img2img"], "/sdapi/v1/png-info", {"image": b64(data)}, keep_body=False))
+        rs += got
+        notes[name] = f"{len(data)} bytes: {tally(got)}, max {max(r['s'] for r in got):.1f} s"
+    return {"statuses": tally(rs), "notes": notes}
+
+
 OWN_ATTACKS = [
     ("B1 JSON of millions of [] (GIL, memory)", json_tiny_containers),
     ("B2 numbers at the edges", json_odd_numbers),
@@ -244,4 +268,5 @@ OWN_ATTACKS = [
     ("B13 slow encode (40 MP webp/png)", slow_encode),
     ("B14 header oddities", header_oddities),
     ("B15 200 junk submits under the body limit", junk_submits_under_the_limit),
+    ("B16 PNG text chunks that inflate (zTXt/iTXt)", png_text_bombs),
 ]

@@ -140,6 +140,19 @@ def png_chunk_bomb(chunks: int = 1_580_000) -> bytes:
     return small[:33] + empty * chunks + small[33:]
 
 
+def text_bomb_png(chunks: int = 500, each: int = 7_900_000, after_pixels: bool = True,
+                  kind: bytes = b"zTXt") -> bytes:
+    """A 48x32 PNG with `chunks` compressed text chunks (zTXt, or iTXt with its compression
+    flag set), each `each` bytes of one letter compressed to about a thousandth of that:
+    a decoder that keeps a picture's text inflates them all. After the pixels (the default)
+    they are out of sight of a reader that stops at the image data."""
+    z = zlib.compress(b"a" * each, 9)
+    body = b"parameters\0\0" + z if kind == b"zTXt" else b"parameters\0\1\0\0\0" + z
+    base = small_png()
+    at = base.rfind(b"IEND") - 4 if after_pixels else 33
+    return base[:at] + _chunk(kind, body) * chunks + base[at:]
+
+
 def _tiff_ifd(entries: list[tuple[int, int, int, int]], tail: bytes = b"") -> bytes:
     """A little-endian TIFF: one IFD of (tag, type, count, value/offset) entries, then `tail`."""
     ifd = struct.pack("<H", len(entries)) + b"".join(struct.pack("<HHII", *e) for e in entries) + b"\x00" * 4

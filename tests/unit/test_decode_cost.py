@@ -65,6 +65,47 @@ def test_image_data_split_into_tiny_chunks_is_refused_but_real_splits_are_not():
     assert (decode_image(fine, LIMITS).rgb == img).all()  # libpng's own 8 kB chunks: decoded exactly
 
 
+_TEXT_BOMB_CHILD = """
+import resource, sys
+from tests.images import small_png, text_bomb_png
+from services.runtime.codecs.images import DecodeLimits, decode_image
+bomb = text_bomb_png(60, kind=sys.argv[1].encode())
+decode_image(small_png(), DecodeLimits(40_000_000))   # warm: the codecs' own first-use memory
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+rgb = decode_image(bomb, DecodeLimits(40_000_000)).rgb
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(grown // 1024, int(rgb.shape[0] * rgb.shape[1]), int(rgb[5, 5, 0]))
+"""
+
+
+@pytest.mark.parametrize("kind", ["zTXt", "iTXt"])
+def test_compressed_text_after_the_pixels_never_reaches_the_decoder(kind):
+    """60 compressed text chunks after the image data (470 kB), each inflating to 7.9 MB:
+    libpng keeps every one it inflates (474 MB for this 48x32 picture; 3.9 GB for 500 chunks,
+    which killed the unit). The decoder is handed the file without them: its peak memory,
+    measured in a fresh process around one real decode, stays near the picture's."""
+    import subprocess
+    import sys
+
+    from tests.harness import ROOT
+    out = subprocess.run([sys.executable, "-c", _TEXT_BOMB_CHILD, kind], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    grown_mib, pixels, value = map(int, out.stdout.split())
+    assert (pixels, value) == (48 * 32, 127)  # the picture itself, decoded
+    assert grown_mib < 64, f"decoding a 48x32 PNG took {grown_mib} MiB more"
+
+
+def test_the_png_walk_finds_compressed_text_anywhere_and_the_probe_keeps_the_rest():
+    from tests.images import small_png, text_bomb_png
+    bomb = text_bomb_png(3, 10_000)
+    shape = formats.walk_png(bomb, 512)
+    assert [bomb[s + 4:s + 8] for s, _ in shape.inflating] == [b"zTXt"] * 3
+    kept = b"".join(formats.without_spans(bomb, shape.inflating))
+    assert kept == small_png()  # only those chunks go, byte for byte
+    assert formats.inflating_text(bomb) == shape.inflating == probe_image(bomb, LIMITS)._inflating
+
+
 def _chunk_positions(png: bytes):
     pos = 8
     while pos + 8 <= len(png):

@@ -130,7 +130,11 @@ def probe_image(data: bytes, limits: DecodeLimits) -> ImageHeader:
         orientation = 1
     if orientation in (5, 6, 7, 8):
         width, height = height, width
-    return ImageHeader(fmt, width, height, orientation, animated)
+    header = ImageHeader(fmt, width, height, orientation, animated)
+    # where a PNG's compressed text lies, for decode_probed: kept beside the public fields
+    # (their signature is the API's), found again there for a header built elsewhere
+    object.__setattr__(header, "_inflating", png.inflating if png is not None and fmt == "PNG" else ())
+    return header
 
 
 def _animated(data: bytes, fmt: str, png: formats.PngShape | None) -> bool:
@@ -208,6 +212,13 @@ def _decode_pillow(data: bytes, header: ImageHeader) -> np.ndarray:
 def decode_probed(data: bytes, header: ImageHeader, max_side: int | None = None) -> DecodedImage:
     """Decode a picture whose header was probed (and whose cost was accepted)."""
     factor = reduction_for(header, max_side)
+    spans = getattr(header, "_inflating", None)
+    if header.format == "PNG" and (spans is None or not formats.spans_are_text(data, spans)):
+        spans = formats.inflating_text(data)  # a header built elsewhere, or probed from other bytes
+    if spans:  # the decoder is shown the picture without them; the copy goes a megabyte at a time in the GIL lane
+        pieces = formats.without_spans(data, spans)
+        data = joined([p[i:i + ENCODED_COPY_SLICE] for p in pieces for i in range(0, len(p), ENCODED_COPY_SLICE)],
+                      sum(len(p) for p in pieces))
     flags = (_REDUCED[factor] if factor > 1 else cv2.IMREAD_COLOR) | cv2.IMREAD_IGNORE_ORIENTATION
     try:
         bgr = cv2.imdecode(np.frombuffer(data, np.uint8), flags)

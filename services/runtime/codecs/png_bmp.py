@@ -2,7 +2,10 @@
 
 A decoder's cost is not bounded by the pixel count alone. A 19 MB PNG of 64x64 pixels can
 carry 1.5 million empty chunks that a decoder walks one by one; a BMP may be RLE-compressed,
-which Pillow decodes in pure Python (20 MB of RLE8 for two pixels took 7.5 s). These walks
+which Pillow decodes in pure Python (20 MB of RLE8 for two pixels took 7.5 s). A PNG's
+compressed text (zTXt, iTXt) inflates about a thousandfold, and libpng keeps every chunk of
+it, up to 8 MB each (500 chunks after the pixels, a 3.9 MB file: 3.9 GB in one decode), so
+the walk notes where they are and the decoder is handed the file without them. These walks
 read only chunk and header fields: a PNG's chunks are skipped by their length (counted: too
 many tiny or ancillary chunks is a 413), a BMP's compression is read from its info header.
 """
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY_CHUNK = 256          # IDAT split this fine is not what any encoder writes
+INFLATING_TEXT = (b"zTXt", b"iTXt")
 BMP_RLE = {1: "RLE8", 2: "RLE4"}
 
 
@@ -27,6 +31,9 @@ class PngShape:
     chunks: int
     exif: bytes | None        # the eXIf chunk's content (a TIFF structure), if there is one
     animated: bool = False    # an acTL chunk: OpenCV composes the frames on a full canvas
+    # (start, end) of each zTXt and iTXt chunk: text the pixels do not need, which a decoder
+    # would inflate (a reader of the picture's metadata inflates them within its own bounds)
+    inflating: tuple[tuple[int, int], ...] = ()
 
 
 def walk_png(data: bytes, max_chunks: int) -> PngShape:
@@ -40,6 +47,7 @@ def walk_png(data: bytes, max_chunks: int) -> PngShape:
     ancillary = tiny = chunks = 0
     exif = None
     animated = False
+    inflating: list[tuple[int, int]] = []
     while pos + 8 <= n:
         length, kind = struct.unpack_from(">I4s", data, pos)
         chunks += 1
@@ -57,8 +65,35 @@ def walk_png(data: bytes, max_chunks: int) -> PngShape:
             if kind == b"eXIf" and exif is None:
                 exif = data[pos + 8:pos + 8 + length]
             animated = animated or kind == b"acTL"
+            if kind in INFLATING_TEXT:
+                inflating.append((pos, min(n, pos + 12 + length)))
         pos += 12 + length
-    return PngShape(chunks, exif, animated)
+    return PngShape(chunks, exif, animated, tuple(inflating))
+
+
+def inflating_text(data: bytes) -> tuple[tuple[int, int], ...]:
+    """Where a PNG's zTXt and iTXt chunks are, for a picture whose walk was not kept."""
+    try:
+        return walk_png(data, 1 << 62).inflating
+    except FormatLimitError:  # (no limit to pass)
+        return ()
+
+
+def spans_are_text(data: bytes, spans: tuple[tuple[int, int], ...]) -> bool:
+    return all(end <= len(data) and data[start + 4:start + 8] in INFLATING_TEXT for start, end in spans)
+
+
+def without_spans(data: bytes, spans: tuple[tuple[int, int], ...]) -> list[memoryview]:
+    """The pieces of `data` between `spans` (sorted, not overlapping), without copying."""
+    view = memoryview(data)
+    pieces, at = [], 0
+    for start, end in spans:
+        if start > at:
+            pieces.append(view[at:start])
+        at = end
+    if at < len(data):
+        pieces.append(view[at:])
+    return pieces
 
 
 def bmp_compression(data: bytes) -> str | None:
