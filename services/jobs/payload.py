@@ -33,6 +33,7 @@ ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP")
 SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"BM")
 # base64 as A1111 takes it: the standard alphabet, optional MIME line breaks, its padding
 B64_RE = re.compile(r"[A-Za-z0-9+/\r\n]*(?:=[\r\n]*){0,2}")
+PNG_WALK_CHUNKS = 4096   # ancillary chunks walked to find compressed text (the services refuse past 512)
 HEAD_STEPS = (64 * 1024, 1024 * 1024, None)   # bytes decoded to find the header: a JPEG's may lie past EXIF/ICC
 
 
@@ -147,7 +148,7 @@ def check_image(data: bytes, name: str, limits: Limits, complete: bool = True) -
         raise ApiError(413, "image_too_large",
                        f"{name}: {len(data)} bytes is over the limit of {limits.max_image_bytes}")
     try:
-        with Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS) as im:
+        with Image.open(io.BytesIO(_without_compressed_text(data)), formats=ALLOWED_FORMATS) as im:
             width, height = im.size
     except Image.DecompressionBombError:
         raise ApiError(413, "too_many_pixels", f"{name}: the image declares more pixels than {limits.max_pixels}") \
@@ -167,6 +168,19 @@ def check_image(data: bytes, name: str, limits: Limits, complete: bool = True) -
         raise ApiError(400, "corrupt_image", f"{name}: the image has no pixels")
     check_dims(name, len(data) if complete else 0, width, height, limits)
     return width, height
+
+
+def _without_compressed_text(data: bytes) -> bytes | memoryview:
+    """A PNG's header without its zTXt/iTXt chunks, which Pillow would inflate to open it
+    (up to 64 MB of text from a 65 kB file). The walk is bounded: past it, Pillow reads the
+    file as it is, as before."""
+    from services.runtime.codecs.png_bmp import PNG_SIGNATURE, FormatLimitError, header_for_pillow, walk_png
+    if not data.startswith(PNG_SIGNATURE):
+        return data
+    try:
+        return header_for_pillow(data, walk_png(data, PNG_WALK_CHUNKS))
+    except FormatLimitError:
+        return data
 
 
 def check_dims(name: str, size: int, width: int, height: int, limits: Limits) -> None:

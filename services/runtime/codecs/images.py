@@ -106,6 +106,7 @@ def probe_image(data: bytes, limits: DecodeLimits) -> ImageHeader:
             source = jpeg.header_for_pillow(data, jpg)
         elif data[:8] == formats.PNG_SIGNATURE:
             png = formats.walk_png(data, limits.max_image_markers)
+            source = formats.header_for_pillow(data, png)
     except (jpeg.JpegLimitError, formats.FormatLimitError) as exc:
         raise ApiError(413, "image_too_complex", f"{exc}: decoding it would cost too much") from None
     try:
