@@ -153,6 +153,14 @@ def text_bomb_png(chunks: int = 500, each: int = 7_900_000, after_pixels: bool =
     return base[:at] + _chunk(kind, body) * chunks + base[at:]
 
 
+def icc_bomb_png(chunks: int = 500, each: int = 1_000_000) -> bytes:
+    """A 48x32 PNG with `chunks` iCCP chunks before its pixels, each `each` zero bytes
+    compressed to about a thousandth of that: Pillow inflates every one it meets (up to 1 MB
+    each, no total); libpng stops at the profile's header, which declares no length."""
+    base = small_png()
+    return base[:33] + _chunk(b"iCCP", b"icc\0\0" + zlib.compress(b"\0" * each, 9)) * chunks + base[33:]
+
+
 def _tiff_ifd(entries: list[tuple[int, int, int, int]], tail: bytes = b"") -> bytes:
     """A little-endian TIFF: one IFD of (tag, type, count, value/offset) entries, then `tail`."""
     ifd = struct.pack("<H", len(entries)) + b"".join(struct.pack("<HHII", *e) for e in entries) + b"\x00" * 4

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageOps
 
+from services.img2img.webui_infotext import png_without_chunks
+
 FILL, ORIGINAL, LATENT_NOISE, LATENT_NOTHING = 0, 1, 2, 3
 
 
@@ -55,9 +57,11 @@ def mask_channel(data: bytes, rgb: np.ndarray) -> Image.Image:
     """The webui's reading of a mask: an RGBA picture with any transparency is its alpha,
     rounded at 128 (masks painted in its UI); anything else its luminance. `data` was
     already decoded within the limits (as `rgb`, which drops alpha): only a PNG or WebP
-    that has an alpha channel is opened a second time."""
+    that has an alpha channel is opened a second time, a PNG without its compressed chunks
+    (Pillow would inflate them: up to 64 MB of text, and more raised a ValueError, a 500)."""
     if data[:4] in (b"\x89PNG", b"RIFF"):
-        with Image.open(io.BytesIO(data), formats=("PNG", "WEBP")) as im:
+        pixels_only = png_without_chunks(data)
+        with Image.open(io.BytesIO(pixels_only), formats=("PNG", "WEBP")) as im:
             if im.mode == "RGBA":
                 alpha = ImageOps.exif_transpose(im).getchannel("A")
                 if alpha.getextrema() != (255, 255):
