@@ -248,10 +248,13 @@ class ExtrasRoutes:
         opts = self.state.options
         state = request.state.extras
         images, text = [], ""
-        for _name, data, source_format, up in state["plans"]:
+        for name, data, source_format, up in state["plans"]:
             parameters = None
             if source_format == "PNG" and opts.get("enable_pnginfo", True):  # the webui keeps a picture's infotext
-                parameters = webui_infotext.open_metadata(data, ("PNG",)).info.get("parameters")
+                try:  # (the header was read without its compressed text: Pillow refuses over 64 MB of it)
+                    parameters = webui_infotext.open_metadata(data, ("PNG",)).info.get("parameters")
+                except Exception as exc:  # noqa: BLE001 - unreadable metadata is the caller's data, as in png-info
+                    raise Error(400, "corrupt_image", f"{name}: cannot read its metadata: {exc}") from None
             out = up.apply(Image.fromarray(request.decode_image(data)))
             text = up.infotext()
             keep = parameters if isinstance(parameters, str) else None

@@ -155,6 +155,20 @@ def test_extras_keep_the_pictures_infotext(svc):
     assert out.info["parameters"] == "a cat\nSteps: 20, Seed: 5" and "Nearest" in out.info["postprocessing"]
 
 
+def test_text_pillow_will_not_read_is_a_400_in_png_info_and_the_extras_alike(svc):
+    """70 chunks of 1 MB of compressed text before the pixels (a 70 kB file): over what Pillow
+    reads (64 MB). The header is probed without them, so the extras met them only when they
+    kept the picture's infotext, after the cost was taken: a ValueError there was a 500."""
+    from tests.images import text_bomb_png
+    bomb = base64.b64encode(text_bomb_png(70, 1_000_000, after_pixels=False)).decode()
+    assert_webui_error(post(svc, "/sdapi/v1/png-info", {"image": bomb}), 400, "corrupt_image", "metadata")
+    r = post(svc, "/sdapi/v1/extra-single-image", {"image": bomb, "upscaler_1": "Nearest"})
+    assert_webui_error(r, 400, "corrupt_image", "image: cannot read its metadata")
+    fine = base64.b64encode(text_bomb_png(3, 1_000, after_pixels=False)).decode()  # within it: kept as before
+    assert decoded(post(svc, "/sdapi/v1/extra-single-image", {"image": fine, "upscaler_1": "Nearest"})
+                   .json()["image"]).info["parameters"] == "a" * 1_000
+
+
 def test_extras_batch_images(svc):
     images = [picture(64, 48), picture(40, 40)]
     r = api(svc).extra_batch_images(images, upscaler_1="Lanczos", upscaling_resize=1.5)
