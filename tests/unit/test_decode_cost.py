@@ -101,9 +101,72 @@ def test_the_png_walk_finds_compressed_text_anywhere_and_the_probe_keeps_the_res
     bomb = text_bomb_png(3, 10_000)
     shape = formats.walk_png(bomb, 512)
     assert [bomb[s + 4:s + 8] for s, _ in shape.inflating] == [b"zTXt"] * 3
-    kept = b"".join(formats.without_spans(bomb, shape.inflating))
+    kept = b"".join(formats.without_spans(bomb, formats.decoder_skips(shape)))
     assert kept == small_png()  # only those chunks go, byte for byte
-    assert formats.inflating_text(bomb) == shape.inflating == probe_image(bomb, LIMITS)._inflating
+    assert formats.unneeded_chunks(bomb) == formats.decoder_skips(shape) == probe_image(bomb, LIMITS)._unneeded
+    assert formats.decoder_skips(formats.walk_png(small_png(), 512)) == ()  # nothing to leave out: no copy
+
+
+_MALFORMED_CHUNKS_CHILD = """
+import struct, sys, zlib
+from tests.images import small_png
+from services.runtime.codecs.images import DecodeLimits, decode_image
+def chunk(kind, body):
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body) & 0xffffffff)
+base = small_png()
+at = base.rfind(b"IEND") - 4
+bad = base[:at] + chunk(b"tEXt", b"x") * 500 + base[at:]   # each one 'tEXt: too short' to libpng
+rgb = decode_image(bad, DecodeLimits(40_000_000)).rgb
+print(int(rgb.shape[0] * rgb.shape[1]), int(rgb[5, 5, 0]))
+"""
+
+
+def test_malformed_ancillary_chunks_never_reach_the_decoder_so_they_log_nothing():
+    """libpng writes a line to stderr for each malformed ancillary chunk it reads: 500 in a
+    6.6 kB file were 500 lines of the service's log a request. The decoder is shown only the
+    chunks it reads."""
+    import subprocess
+    import sys
+
+    from tests.harness import ROOT
+    out = subprocess.run([sys.executable, "-c", _MALFORMED_CHUNKS_CHILD], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(48 * 32), "127"]
+    assert "libpng" not in out.stderr, out.stderr[:300]
+
+
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "LA", "P", "I;16"])
+def test_leaving_out_what_the_decoder_does_not_read_changes_no_pixel(mode):
+    """Gamma, chromaticities, significant bits, background, sRGB, a profile and text are
+    left out (more than a few of them): the pixels are those of the file as it was."""
+    import io
+    import zlib
+
+    import cv2
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(7)
+    arr = rng.integers(0, 255, (40, 50, 3), np.uint8)
+    im = Image.fromarray(arr).convert(mode) if mode != "I;16" else Image.fromarray(arr[..., 0].astype(np.uint16) * 257)
+    buf = io.BytesIO()
+    im.save(buf, "PNG")
+    base = buf.getvalue()
+    colour = mode in ("RGB", "RGBA", "P")
+    extra = (_chunk(b"gAMA", struct.pack(">I", 30000))
+             + _chunk(b"cHRM", struct.pack(">8I", 31270, 32900, 64000, 33000, 30000, 60000, 15000, 6000))
+             + _chunk(b"sBIT", bytes([5, 6, 5] if colour else [5]))
+             + _chunk(b"sRGB", b"\x00") + _chunk(b"iCCP", b"p\0\0" + zlib.compress(b"\0" * 400))
+             + b"".join(_chunk(b"tEXt", b"k%d\0v" % k) for k in range(10)))
+    dressed = base[:33] + extra + base[33:]
+    assert len(formats.decoder_skips(formats.walk_png(dressed, 512))) == 15
+    for factor in (1, 2):
+        got = decode_image(dressed, LIMITS, max_side=50 // factor).rgb
+        plain = cv2.imdecode(np.frombuffer(base, np.uint8),
+                             (cv2.IMREAD_REDUCED_COLOR_2 if factor == 2 else cv2.IMREAD_COLOR)
+                             | cv2.IMREAD_IGNORE_ORIENTATION)
+        assert got.shape[:2] == plain.shape[:2] and (got == plain[..., ::-1]).all()
 
 
 @pytest.mark.parametrize("kind", ["zTXt", "iTXt"])

@@ -132,9 +132,9 @@ def probe_image(data: bytes, limits: DecodeLimits) -> ImageHeader:
     if orientation in (5, 6, 7, 8):
         width, height = height, width
     header = ImageHeader(fmt, width, height, orientation, animated)
-    # where a PNG's compressed text lies, for decode_probed: kept beside the public fields
-    # (their signature is the API's), found again there for a header built elsewhere
-    object.__setattr__(header, "_inflating", png.inflating if png is not None and fmt == "PNG" else ())
+    # the PNG chunks decode_probed leaves out: kept beside the public fields (their signature
+    # is the API's), found again there for a header built elsewhere
+    object.__setattr__(header, "_unneeded", formats.decoder_skips(png) if png is not None and fmt == "PNG" else ())
     return header
 
 
@@ -213,9 +213,9 @@ def _decode_pillow(data: bytes, header: ImageHeader) -> np.ndarray:
 def decode_probed(data: bytes, header: ImageHeader, max_side: int | None = None) -> DecodedImage:
     """Decode a picture whose header was probed (and whose cost was accepted)."""
     factor = reduction_for(header, max_side)
-    spans = getattr(header, "_inflating", None)
-    if header.format == "PNG" and (spans is None or not formats.spans_are_text(data, spans)):
-        spans = formats.inflating_text(data)  # a header built elsewhere, or probed from other bytes
+    spans = getattr(header, "_unneeded", None)
+    if header.format == "PNG" and (spans is None or not formats.spans_are_unneeded(data, spans)):
+        spans = formats.unneeded_chunks(data)  # a header built elsewhere, or probed from other bytes
     if spans:  # the decoder is shown the picture without them; the copy goes a megabyte at a time in the GIL lane
         pieces = formats.without_spans(data, spans)
         data = joined([p[i:i + ENCODED_COPY_SLICE] for p in pieces for i in range(0, len(p), ENCODED_COPY_SLICE)],

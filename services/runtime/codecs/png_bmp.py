@@ -21,6 +21,14 @@ INFLATING_TEXT = (b"zTXt", b"iTXt")
 # an ICC profile is compressed too: Pillow inflates every iCCP chunk it meets, up to 1 MB each
 # and with no total (500 of them, a 0.5 MB file: 0.96 s of CPU a probe); the header needs none
 ICC_PROFILE = b"iCCP"
+# The chunks OpenCV's decoder needs for the pixels (its output ignores gamma, colour profiles,
+# background and text: checked equal pixel for pixel without them). The rest are left out
+# before it decodes: libpng inflates and keeps compressed text, and writes a line to stderr
+# for each malformed ancillary chunk (500 in a 6.6 kB file: 500 lines of log a request).
+DECODER_READS = (b"IHDR", b"PLTE", b"IDAT", b"IEND", b"tRNS", b"acTL", b"fcTL", b"fdAT")
+# A photo's own few (pHYs, gAMA, cHRM, sRGB, eXIf, tIME, a tEXt or two) cost the decoder
+# nothing worth a copy of the file: it is shown the file as it is.
+FEW_UNNEEDED = 8
 BMP_RLE = {1: "RLE8", 2: "RLE4"}
 
 
@@ -39,6 +47,7 @@ class PngShape:
     inflating: tuple[tuple[int, int], ...] = ()
     first_idat: int | None = None   # where the image data starts: a reader of the header stops there
     profiles: tuple[tuple[int, int], ...] = ()   # (start, end) of each iCCP chunk
+    unneeded: tuple[tuple[int, int], ...] = ()   # (start, end) of each chunk the decoder does not read
 
 
 def walk_png(data: bytes, max_chunks: int, header_only: bool = False) -> PngShape:
@@ -56,6 +65,7 @@ def walk_png(data: bytes, max_chunks: int, header_only: bool = False) -> PngShap
     inflating: list[tuple[int, int]] = []
     first_idat = None
     profiles: list[tuple[int, int]] = []
+    unneeded: list[tuple[int, int]] = []
     while pos + 8 <= n:
         length, kind = struct.unpack_from(">I4s", data, pos)
         chunks += 1
@@ -81,8 +91,10 @@ def walk_png(data: bytes, max_chunks: int, header_only: bool = False) -> PngShap
                 inflating.append((pos, min(n, pos + 12 + length)))
             elif kind == ICC_PROFILE:
                 profiles.append((pos, min(n, pos + 12 + length)))
+            if kind not in DECODER_READS:
+                unneeded.append((pos, min(n, pos + 12 + length)))
         pos += 12 + length
-    return PngShape(chunks, exif, animated, tuple(inflating), first_idat, tuple(profiles))
+    return PngShape(chunks, exif, animated, tuple(inflating), first_idat, tuple(profiles), tuple(unneeded))
 
 
 def header_for_pillow(data: bytes, shape: PngShape) -> bytes | memoryview:
@@ -99,16 +111,25 @@ def header_for_pillow(data: bytes, shape: PngShape) -> bytes | memoryview:
     return b"".join(without_spans(memoryview(data)[:end], tuple(before)))
 
 
-def inflating_text(data: bytes) -> tuple[tuple[int, int], ...]:
-    """Where a PNG's zTXt and iTXt chunks are, for a picture whose walk was not kept."""
+def decoder_skips(shape: PngShape) -> tuple[tuple[int, int], ...]:
+    """The chunks to leave out before the decoder: every one it does not read, when there is
+    compressed text or a profile among them (libpng inflates those) or more than a few."""
+    if shape.inflating or shape.profiles or len(shape.unneeded) > FEW_UNNEEDED:
+        return shape.unneeded
+    return ()
+
+
+def unneeded_chunks(data: bytes) -> tuple[tuple[int, int], ...]:
+    """decoder_skips for a picture whose walk was not kept."""
     try:
-        return walk_png(data, 1 << 62).inflating
+        return decoder_skips(walk_png(data, 1 << 62))
     except FormatLimitError:  # (no limit to pass)
         return ()
 
 
-def spans_are_text(data: bytes, spans: tuple[tuple[int, int], ...]) -> bool:
-    return all(end <= len(data) and data[start + 4:start + 8] in INFLATING_TEXT for start, end in spans)
+def spans_are_unneeded(data: bytes, spans: tuple[tuple[int, int], ...]) -> bool:
+    return all(end <= len(data) and data[start + 4:start + 8] not in DECODER_READS
+               and data[start + 4:start + 8].isalpha() for start, end in spans)
 
 
 def without_spans(data: bytes, spans: tuple[tuple[int, int], ...]) -> list[memoryview]:
