@@ -362,3 +362,18 @@ def test_an_oversized_or_broken_exif_block_is_ignored_not_refused_and_not_logged
                          capture_output=True, text=True, timeout=60, env={"PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:3] == ["64 64 1"] * 3 and "Warning" not in out.stderr, out.stderr
+
+
+def test_a_header_probed_from_other_bytes_does_not_let_the_text_through(monkeypatch):
+    """A header of a plain PNG handed in with a text bomb (the SDK's decode_image(data,
+    header)): the bomb's own chunks are found again, not taken from the header."""
+    from services.runtime.codecs import images
+    from tests.images import small_png, text_bomb_png
+
+    plain = small_png()
+    bomb = text_bomb_png(3, 10_000)
+    shown = []
+    real = images.cv2.imdecode
+    monkeypatch.setattr(images.cv2, "imdecode", lambda buf, flags: shown.append(bytes(buf)) or real(buf, flags))
+    rgb = images.decode_probed(bomb, probe_image(plain, LIMITS)).rgb
+    assert shown == [plain] and rgb[5, 5, 0] == 127

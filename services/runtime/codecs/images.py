@@ -135,7 +135,14 @@ def probe_image(data: bytes, limits: DecodeLimits) -> ImageHeader:
     # the PNG chunks decode_probed leaves out: kept beside the public fields (their signature
     # is the API's), found again there for a header built elsewhere
     object.__setattr__(header, "_unneeded", formats.decoder_skips(png) if png is not None and fmt == "PNG" else ())
+    object.__setattr__(header, "_probed", _fingerprint(data))
     return header
+
+
+def _fingerprint(data: bytes) -> tuple[int, bytes, bytes]:
+    """Enough of a picture to tell whether a header was probed from these bytes (a header of
+    one picture handed in with another would let the other's chunks through)."""
+    return len(data), bytes(data[:64]), bytes(data[-64:])
 
 
 def _animated(data: bytes, fmt: str, png: formats.PngShape | None) -> bool:
@@ -214,7 +221,8 @@ def decode_probed(data: bytes, header: ImageHeader, max_side: int | None = None)
     """Decode a picture whose header was probed (and whose cost was accepted)."""
     factor = reduction_for(header, max_side)
     spans = getattr(header, "_unneeded", None)
-    if header.format == "PNG" and (spans is None or not formats.spans_are_unneeded(data, spans)):
+    if header.format == "PNG" and (spans is None or getattr(header, "_probed", None) != _fingerprint(data)
+                                   or not formats.spans_are_unneeded(data, spans)):
         spans = formats.unneeded_chunks(data)  # a header built elsewhere, or probed from other bytes
     if spans:  # the decoder is shown the picture without them; the copy goes a megabyte at a time in the GIL lane
         pieces = formats.without_spans(data, spans)
