@@ -177,18 +177,23 @@ def _user_comment(raw: bytes) -> str:
     return value.decode("utf-8", "replace").rstrip("\x00")
 
 
+def _png_chunks(data: bytes):
+    """(position, kind, length) of each chunk after the signature, read by its length only."""
+    pos = 8
+    while pos + 8 <= len(data):
+        length, kind = struct.unpack_from(">I4s", data, pos)
+        yield pos, kind, length
+        pos += 12 + length
+
+
 def png_chunks_within(data: bytes, limit: int) -> bool:
     """False when a PNG has more than `limit` chunks before its first IDAT: Pillow reads them
     one by one in Python when it opens the file, so their count is the cost."""
-    pos, count = 8, 0
-    while pos + 8 <= len(data):
-        length, kind = struct.unpack_from(">I4s", data, pos)
+    for count, (_pos, kind, _length) in enumerate(_png_chunks(data), 1):
         if kind in (b"IDAT", b"IEND"):
             return True
-        count += 1
         if count > limit:
             return False
-        pos += 12 + length
     return True
 
 
@@ -202,15 +207,13 @@ def png_without_chunks(data: bytes, kinds: tuple[bytes, ...] = COMPRESSED_CHUNKS
     its pixels only); other pictures as they are."""
     if data[:8] != b"\x89PNG\r\n\x1a\n":
         return data
-    view, pieces, pos, kept = memoryview(data), [], 8, 0
-    while pos + 8 <= len(data):
-        length, kind = struct.unpack_from(">I4s", data, pos)
+    view, pieces, kept = memoryview(data), [], 0
+    for pos, kind, length in _png_chunks(data):
         if kind in kinds:
             pieces.append(view[kept:pos])
             kept = min(len(data), pos + 12 + length)
         if kind == b"IEND":
             break
-        pos += 12 + length
     return data if not pieces else b"".join([*pieces, view[kept:]])
 
 
