@@ -21,6 +21,14 @@ import psutil
 from tests.reaping import end_process_tree
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def pythonpath() -> str:
+    """The repository first, then the caller's own path (a machine whose packages are
+    installed beside the interpreter, as wheels unpacked into a folder, keeps them)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
 FAKE_APP = "tests.children.fake_app:create_app"
 
 
@@ -95,7 +103,7 @@ def write_config(path: Path, supervisor: dict, services: dict[str, dict], gpu: d
 
 def fake_service(port: int | None = None, **settings: Any) -> dict:
     return {"app": FAKE_APP, "port": port or free_port(), "threads": 1,
-            "env": {"PYTHONPATH": str(ROOT)}, "settings": settings}
+            "env": {"PYTHONPATH": pythonpath()}, "settings": settings}
 
 
 class SupervisorRun:
@@ -132,7 +140,7 @@ class SupervisorRun:
         self.proc = subprocess.Popen(
             [*self.prefix, sys.executable, "-m", "supervisor", "run", "--config", str(self.config), *self.extra_args],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT), **self.env},
+            start_new_session=True, env={**os.environ, "PYTHONPATH": pythonpath(), **self.env},
             preexec_fn=close_stdio if stdio == "closed" else None,
         )
         if out is not self._log:
@@ -163,7 +171,7 @@ class SupervisorRun:
 
     def cli(self, *args: str, env: dict[str, str] | None = None, cwd: Path | str = ROOT) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "supervisor", *args], cwd=cwd, capture_output=True, text=True,
-                              timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+                              timeout=60, env={**os.environ, "PYTHONPATH": pythonpath(), **(env or {})})
 
     def status_doc(self) -> dict:
         r = self.status("--json")
