@@ -334,3 +334,21 @@ def test_searches_made_a_slice_at_a_time_find_what_one_search_finds(monkeypatch,
     for doc in DOCS:
         raw = json.dumps(doc, ensure_ascii=False).encode()
         assert json_big_strings.loads(raw) == json.loads(raw)
+
+
+def test_joining_a_big_piece_takes_the_lane_a_slice_at_a_time(monkeypatch):
+    """A 3 MB piece (an encoder's answer, a picture without its text chunks) is copied into the
+    joined bytes at most COPY_SLICE_BYTES per turn in the lane: the lane's other users wait for
+    a slice, not for the whole copy. The bytes come out as b"".join would give them."""
+    from services.runtime.codecs import fresh_bytes
+    turns, real = [], fresh_bytes.in_lane
+
+    def counted(size, fn, piece):
+        turns.append(memoryview(piece).nbytes)
+        return real(size, fn, piece)
+
+    monkeypatch.setattr(fresh_bytes, "in_lane", counted)
+    big, small = bytes(range(256)) * (3 * 4096 + 17), b"tail"
+    out = fresh_bytes.joined([big, memoryview(small)], len(big) + len(small))
+    assert out == big + small
+    assert turns == [fresh_bytes.COPY_SLICE_BYTES] * 3 + [len(big) - 3 * fresh_bytes.COPY_SLICE_BYTES, len(small)]

@@ -226,8 +226,7 @@ def decode_probed(data: bytes, header: ImageHeader, max_side: int | None = None)
         spans = formats.unneeded_chunks(data)  # a header built elsewhere, or probed from other bytes
     if spans:  # the decoder is shown the picture without them; the copy goes a megabyte at a time in the GIL lane
         pieces = formats.without_spans(data, spans)
-        data = joined([p[i:i + ENCODED_COPY_SLICE] for p in pieces for i in range(0, len(p), ENCODED_COPY_SLICE)],
-                      sum(len(p) for p in pieces))
+        data = joined(pieces, sum(len(p) for p in pieces))
     flags = (_REDUCED[factor] if factor > 1 else cv2.IMREAD_COLOR) | cv2.IMREAD_IGNORE_ORIENTATION
     try:
         bgr = cv2.imdecode(np.frombuffer(data, np.uint8), flags)
@@ -328,7 +327,4 @@ def array_bytes(array: np.ndarray) -> bytes:
     flat = memoryview(np.ascontiguousarray(array).reshape(-1)).cast("B")
     if len(flat) < 1 << 20:
         return flat.tobytes()
-    return joined([flat[i:i + ENCODED_COPY_SLICE] for i in range(0, len(flat), ENCODED_COPY_SLICE)], len(flat))
-
-
-ENCODED_COPY_SLICE = 1 << 20
+    return joined([flat], len(flat))
