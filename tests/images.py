@@ -87,6 +87,20 @@ def flat_png(width: int, height: int, level: int = 9) -> bytes:
     return out.tobytes()
 
 
+def bad_crc_png(width: int, height: int, color_type: int = 6) -> bytes:
+    """One colour, 8 bits a channel, whose last image-data chunk fails its checksum: libpng
+    (OpenCV) refuses it at the end, Pillow reads it."""
+    channels = {0: 1, 2: 3, 4: 2, 6: 4}[color_type]
+    compressor = zlib.compressobj(9)
+    row = b"\x00" + b"\x80" * (width * channels)
+    data = b"".join(compressor.compress(row) for _ in range(height)) + compressor.flush()
+    pieces = [data[i:i + 65536] for i in range(0, len(data), 65536)]
+    out = b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, color_type, 0, 0, 0))
+    out += b"".join(_chunk(b"IDAT", p) for p in pieces[:-1])
+    last = _chunk(b"IDAT", pieces[-1])
+    return out + last[:-4] + bytes(b ^ 0xFF for b in last[-4:]) + _chunk(b"IEND", b"")
+
+
 def flat_jpeg(width: int, height: int) -> bytes:
     import cv2
     ok, out = cv2.imencode(".jpg", np.full((height, width, 3), 128, np.uint8), [cv2.IMWRITE_JPEG_QUALITY, 50])

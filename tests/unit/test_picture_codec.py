@@ -16,7 +16,7 @@ from services.runtime.codecs import jpeg
 from services.runtime.codecs.forms import json_depth_over, parse_json
 from services.runtime.codecs.images import DecodeLimits, choose_format, decode_image, encode_image
 from services.runtime.errors import ApiError
-from tests.images import encode, exif_rotated_jpeg, progressive_jpeg, scan_bomb_jpeg
+from tests.images import bad_crc_png, encode, exif_rotated_jpeg, progressive_jpeg, scan_bomb_jpeg
 
 LIMITS = DecodeLimits(max_pixels=40_000_000, max_jpeg_scans=32, max_image_markers=512)
 
@@ -90,6 +90,20 @@ def test_pixel_limit_is_checked_from_the_header():
     with pytest.raises(ApiError) as err:
         decode_image(encode(np.zeros((100, 100, 3), np.uint8)), DecodeLimits(max_pixels=9_999))
     assert (err.value.status, err.value.code) == (413, "too_many_pixels")
+
+
+def test_what_only_pillow_reads_is_decoded_when_small_and_refused_when_big():
+    """A PNG whose last image-data chunk fails its checksum: OpenCV refuses it, Pillow reads it
+    whole, at full size and in its own mode (RGBA) beside the RGB copy. A small one decodes so;
+    a big one is a 400 before Pillow is tried (it would hold far more than the cost charged)."""
+    from services.runtime.codecs.images import PILLOW_FALLBACK_MAX_PIXELS
+    small = decode_image(bad_crc_png(64, 48), DecodeLimits(max_pixels=50_000_000))
+    assert small.rgb.shape == (48, 64, 3) and (small.rgb == 0x80).all()
+    side = int(PILLOW_FALLBACK_MAX_PIXELS ** 0.5) + 1
+    with pytest.raises(ApiError) as err:
+        decode_image(bad_crc_png(side, side), DecodeLimits(max_pixels=50_000_000))
+    assert err.value.status == 400 and err.value.code == "corrupt_image"
+    assert str(PILLOW_FALLBACK_MAX_PIXELS) in str(err.value)
 
 
 def test_json_depth_counts_containers_not_brackets_in_strings():

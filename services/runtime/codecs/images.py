@@ -32,6 +32,12 @@ from services.runtime.codecs.png_encode import encode_png
 from services.runtime.errors import ApiError
 
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP")
+# Pillow reads some files OpenCV refuses (a PNG whose image data fails its checksum, rare
+# variants), but only whole, at full size and in the file's own mode beside the RGB copy: up
+# to 7 bytes a pixel where the cost model charged 3, and no reduced decode (eight 6324x6324
+# RGBA PNGs with a bad last CRC took detect 160 MiB past its budget). It is the fallback for
+# pictures up to this size; a bigger one OpenCV refuses is a 400.
+PILLOW_FALLBACK_MAX_PIXELS = 1 << 22
 # below this, Pillow's faster WebP encoder holds the GIL for a few ms at most (19 ms a megapixel)
 PILLOW_WEBP_MAX_PIXELS = 1 << 18
 # OpenCV decodes an animation by composing its first frame on a full RGBA canvas, beside
@@ -214,7 +220,9 @@ def _decode_pillow(data: bytes, header: ImageHeader) -> np.ndarray:
     im.load()
     if header.orientation != 1:
         im = ImageOps.exif_transpose(im)
-    return np.asarray(im if im.mode == "RGB" else im.convert("RGB"))
+    if im.mode != "RGB":
+        im = im.convert("RGB")  # the file's own mode is let go before the array's copy
+    return np.asarray(im)
 
 
 def decode_probed(data: bytes, header: ImageHeader, max_side: int | None = None) -> DecodedImage:
@@ -234,7 +242,11 @@ def decode_probed(data: bytes, header: ImageHeader, max_side: int | None = None)
             rgb = _orient(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB), header.orientation)
         elif formats.bmp_compression(data):  # Pillow's RLE decoder is pure Python: no second try
             raise ApiError(400, "corrupt_image", "cannot decode the BMP image")
-        else:  # what OpenCV cannot read (some rare variants), Pillow may: the cost was bounded above
+        elif header.pixels > PILLOW_FALLBACK_MAX_PIXELS:
+            raise ApiError(400, "corrupt_image", "cannot decode the image: it is broken, or a variant only the "
+                           f"fallback decoder reads, which takes pictures of at most {PILLOW_FALLBACK_MAX_PIXELS} "
+                           "pixels")
+        else:  # what OpenCV cannot read (some rare variants), Pillow may: within the bound above
             rgb = _decode_pillow(data, header)
     except ApiError:
         raise
