@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import socket
+import threading
 import time
 
 import httpx
@@ -208,22 +209,34 @@ def test_a_connection_flood_makes_room_and_the_service_keeps_serving(svc):
 
 
 def test_a_newcomer_is_refused_only_when_every_connection_has_a_request_in_progress(svc):
-    """40 uploads in progress fill max_connections: none of them is closed to make room, the
-    newcomer gets 503 too_many_connections (and reads it), and once they are gone the
-    service serves again."""
+    """40 uploads in progress (each still sending) fill max_connections: none of them is closed
+    to make room, the newcomer gets 503 too_many_connections (and reads it), and once they are
+    gone the service serves again."""
     refused_before = _metric(svc, "onecard_connections_refused_total")
     uploads = []
+    sending = threading.Event()
+
+    def keep_sending() -> None:  # a byte of each body every 0.2 s: none of them stalls
+        while sending.wait(0.2):
+            for s in uploads:
+                s.send(b"\x00")
+
+    trickle = threading.Thread(target=keep_sending, daemon=True)
     try:
         for i in range(40):
             s = socket.create_connection(("127.0.0.1", svc.port))
             s.sendall(f"POST /api/v1/echo?id=up{i} HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
                       f"Content-Length: 60000\r\n\r\n".encode() + PNG)
             uploads.append(s)
-        time.sleep(0.3)
+        sending.set()
+        trickle.start()
+        time.sleep(1.5)  # past STALLED_BODY_S: they are not stalled, they are sending
         with socket.create_connection(("127.0.0.1", svc.port)) as s:
             s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
             data = _read_until_closed(s, 5)
         assert data.startswith(b"HTTP/1.1 503") and b"too_many_connections" in data, data[:200]
+        sending.clear()
+        trickle.join()
         for s in uploads:  # untouched: nobody made room by answering or closing an upload
             s.setblocking(False)
             try:
@@ -232,12 +245,43 @@ def test_a_newcomer_is_refused_only_when_every_connection_has_a_request_in_progr
                 continue
             raise AssertionError(f"an upload in progress was answered or closed to make room: {got!r}")
     finally:
+        sending.clear()
+        if trickle.is_alive():
+            trickle.join()
         for s in uploads:
             s.close()
     time.sleep(0.3)
     assert _metric(svc, "onecard_connections_refused_total") >= refused_before + 1
     assert httpx.post(svc.url + "/api/v1/echo?id=after-uploads", content=PNG,
                       headers={"content-type": "image/png"}).status_code == 200
+
+
+def test_bodies_their_clients_stopped_sending_make_room_for_a_newcomer(svc):
+    """40 clients send a head with Expect: 100-continue, read the 100 and then send no body:
+    they fill max_connections with requests in progress. Once a body has stalled past
+    STALLED_BODY_S, a newcomer takes its place (the stalled one gets 408 body_stalled, the
+    newcomer its answer), instead of a 503 for everyone until their body deadline."""
+    from services.runtime.edge.connection_room import STALLED_BODY_S
+    stalled = []
+    try:
+        for i in range(40):
+            s = socket.create_connection(("127.0.0.1", svc.port))
+            s.settimeout(5)
+            s.sendall(f"POST /api/v1/echo?id=st{i} HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                      f"Content-Length: 60000\r\nExpect: 100-continue\r\n\r\n".encode())
+            assert s.recv(64).startswith(b"HTTP/1.1 100")
+            stalled.append(s)
+        time.sleep(STALLED_BODY_S + 0.5)
+        r = httpx.get(svc.url + "/healthz", timeout=5)
+        assert r.status_code == 200, r.text
+        first = _read_until_closed(stalled[0], 5)  # the one stalled the longest made room
+        assert first.startswith(b"HTTP/1.1 408") and b"body_stalled" in first, first[:200]
+    finally:
+        for s in stalled:
+            s.close()
+    time.sleep(0.3)
+    still = httpx.post(svc.url + "/api/v1/echo?id=after-stalled", content=PNG, headers={"content-type": "image/png"})
+    assert still.status_code == 200
 
 
 def _metric(svc, name: str) -> float:

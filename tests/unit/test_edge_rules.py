@@ -119,7 +119,7 @@ def test_an_arriving_head_keeps_its_place_and_a_leaving_one_is_not_listed_again(
     assert room.make_room(3) and closed == ["a", "b"]
     room.gone(c["a"])
     room.gone(c["b"])
-    assert room.counts() == {"idle": 0, "arriving": 0, "leaving": 0}
+    assert room.counts() == {"idle": 0, "arriving": 0, "bodies": 0, "leaving": 0}
 
 
 # ---- a body's rate ---------------------------------------------------------------------------

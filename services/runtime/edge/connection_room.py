@@ -7,9 +7,13 @@ probe port does (supervisor/servers/connection_slots.py), a newcomer is not turn
 while some connection does nothing useful: the one idle longest is closed to make room,
 that is one that never sent a byte or a kept-alive one between requests (a client must
 expect a kept-alive connection to close at any time). Failing those, the one that has
-waited longest for the rest of an unfinished request head. A connection with a request in
-progress (its body arriving, its answer being made or sent, requests pipelined behind it)
-is never closed that way: only when every connection has one is a newcomer refused.
+waited longest for the rest of an unfinished request head. Failing those, one whose request
+body is owed by its client and has stalled (nothing for STALLED_BODY_S, its reading not held
+back by the service): 600 clients that send a head with ``Expect: 100-continue`` and then no
+body held every connection in progress, and every newcomer, /healthz included, got 503 until
+their body deadline. A connection with any other request in progress (its body arriving or
+held back by the service, its answer being made or sent, requests pipelined behind it) is
+never closed that way: only when every connection has one is a newcomer refused.
 
 Real clients send their request the moment they connect, usually before the service
 accepts them: a newcomer whose bytes are already waiting counts as a head arriving, not
@@ -27,6 +31,8 @@ from common.socket_queues import has_bytes_waiting
 from services.runtime.edge.connection_limits import error_bytes
 
 LINGER_S = 1.0
+STALLED_BODY_S = 1.0   # a body owed by its client with nothing for this long may make room
+STALLED_SCAN = 32      # bodies looked at for one newcomer (those the service holds back go last)
 MAX_LINGERING = 1024
 _lingering = [0]  # refused connections still draining, across the process (event loop thread only)
 
@@ -35,18 +41,23 @@ class Evictable(Protocol):
     def give_way(self) -> None:
         """Close now to make room for a newcomer."""
 
+    def owes_body(self) -> bool:
+        """Is the rest of its request body the client's to send now (not held back by us)?"""
+
 
 class ConnectionRoom:
     def __init__(self, limit: int):
         self.limit = limit
         self._idle: dict[Evictable, None] = {}       # insertion order: idle the longest first
         self._arriving: dict[Evictable, None] = {}   # a head begun: waiting the longest first
+        self._bodies: dict[Evictable, float] = {}    # a body arriving, by the time of its last read
         self._leaving: set[Evictable] = set()        # closed to make room, not gone yet
 
-    def make_room(self, open_now: int) -> bool:
-        """Before a newcomer is accepted (``open_now`` connections are open): True when it may
-        stay, after closing the longest idle connection if the port is full; False when every
-        connection has a request in progress."""
+    def make_room(self, open_now: int, now: float = 0.0) -> bool:
+        """Before a newcomer is accepted (``open_now`` connections are open, ``now`` on the
+        loop's clock): True when it may stay, after closing the longest idle connection (or
+        failing that, an arriving head, then a stalled body) if the port is full; False when
+        every connection has a request in progress."""
         if open_now - len(self._leaving) < self.limit:
             return True
         # one taken as idle whose request has arrived since (not read yet on a busy loop) is
@@ -54,13 +65,27 @@ class ConnectionRoom:
         while self._idle and has_bytes_waiting(getattr(first := next(iter(self._idle)), "transport", None)):
             self.arriving(first)
         pool = self._idle or self._arriving
-        if not pool:
+        victim = next(iter(pool)) if pool else self._stalled_body(now)
+        if victim is None:
             return False
-        victim = next(iter(pool))
-        del pool[victim]
+        for listed in (self._idle, self._arriving, self._bodies):
+            listed.pop(victim, None)
         self._leaving.add(victim)  # still open until its connection_lost: not counted twice
         victim.give_way()
         return True
+
+    def _stalled_body(self, now: float) -> Evictable | None:
+        """The body owed the longest, if nothing came for it for STALLED_BODY_S; one the service
+        holds back goes to the end of the list (its time kept) and the next is looked at."""
+        for _ in range(min(STALLED_SCAN, len(self._bodies))):
+            conn, last_read = next(iter(self._bodies.items()))
+            if now - last_read < STALLED_BODY_S:
+                return None  # the rest were read later (bar those moved to the end)
+            if conn.owes_body():
+                return conn
+            del self._bodies[conn]
+            self._bodies[conn] = last_read
+        return None
 
     def arrived(self, conn: Evictable, transport: Any) -> None:
         """A connection accepted: idle, unless its request's bytes are already waiting."""
@@ -82,18 +107,28 @@ class ConnectionRoom:
             self._idle.pop(conn, None)
             self._arriving.setdefault(conn, None)
 
+    def body_arriving(self, conn: Evictable, last_read: float) -> None:
+        """A request body arriving, its last bytes read at ``last_read``: closed to make room
+        only once it has stalled (see _stalled_body)."""
+        if conn not in self._leaving:
+            self._idle.pop(conn, None)
+            self._arriving.pop(conn, None)
+            self._bodies.pop(conn, None)
+            self._bodies[conn] = last_read
+
     def busy(self, conn: Evictable) -> None:
         """A request in progress: never closed to make room."""
         self._idle.pop(conn, None)
         self._arriving.pop(conn, None)
+        self._bodies.pop(conn, None)
 
     def gone(self, conn: Evictable) -> None:
-        self._idle.pop(conn, None)
-        self._arriving.pop(conn, None)
+        self.busy(conn)
         self._leaving.discard(conn)
 
     def counts(self) -> dict[str, int]:
-        return {"idle": len(self._idle), "arriving": len(self._arriving), "leaving": len(self._leaving)}
+        return {"idle": len(self._idle), "arriving": len(self._arriving), "bodies": len(self._bodies),
+                "leaving": len(self._leaving)}
 
 
 def too_many_connections(limit: int) -> bytes:

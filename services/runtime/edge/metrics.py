@@ -22,7 +22,7 @@ class EdgeCollector:
                 ("onecard_request_framing_too_large", self.stats.framing_too_large,
                  "Requests whose body framing took over twice max_body_bytes on the wire (413)."),
                 ("onecard_connections_evicted", self.stats.evicted,
-                 "Idle connections (or unfinished heads) closed to make room at max_connections."),
+                 "Idle connections (or unfinished heads, or stalled bodies) closed to make room at max_connections."),
                 ("onecard_bodies_too_slow", self.stats.bodies_too_slow,
                  "Request bodies cut for arriving under min_body_rate_bytes_s (408)."),
                 ("onecard_bodies_too_fragmented", self.stats.bodies_too_fragmented,

@@ -84,11 +84,12 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._send_watch: SendWatch | None = None
             self._body_rate: BodyRate | None = None
             self._chunks = 0           # chunk headers of this request's body
+            self._last_read_at = 0.0   # on the loop's clock: a stalled body may make room (connection_room)
             self._body_data = 0        # its bytes without the framing
 
         # ---- connections ------------------------------------------------------------
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            if not room.make_room(len(self.connections)):  # every connection has a request in progress
+            if not room.make_room(len(self.connections), self.loop.time()):  # each has a request in progress
                 stats.refused += 1
                 self.transport = transport
                 self._refused = RefusedNewcomer(self.loop, transport, limits.max_connections)
@@ -104,8 +105,13 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
 
         def give_way(self) -> None:
             """Closed to make room for a newcomer (connection_room): silently when idle, with a
-            503 when a head was arriving."""
+            503 when a head was arriving, a 408 when its body had stalled."""
             stats.evicted += 1
+            if self._phase == BODY and not self._broken:
+                self._gave_way = True
+                self._cut_request(408, "body_stalled", f"the request body stalled while the service held "
+                                  f"{limits.max_connections} connections: closed to make room")
+                return
             arriving = not self._broken and (self._phase == HEAD or self._waiting_bytes > 0
                                              or has_bytes_waiting(self.transport))
             self._broken = True
@@ -118,13 +124,20 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
         def _update_room(self) -> None:
             if self._broken or self.transport.is_closing():
                 return
-            if (self._phase == BODY or self.pipeline or self._earlier_answers_pending()
+            if (self._phase == BODY and not self.pipeline and not self._earlier_answers_pending()
+                    and self.cycle is not None and not self.cycle.response_started):
+                room.body_arriving(self, self._last_read_at)
+            elif (self._phase == BODY or self.pipeline or self._earlier_answers_pending()
                     or (self.cycle is not None and not self.cycle.response_complete)):
                 room.busy(self)
             elif self._phase == HEAD or self._waiting_bytes > 0:
                 room.arriving(self)
             else:
                 room.no_request(self)
+
+        def owes_body(self) -> bool:
+            return (self._phase == BODY and not self._broken and not self._client_waits()
+                    and not has_bytes_waiting(self.transport))
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
@@ -204,6 +217,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             if self._refused is not None or self._broken:
                 return  # drained and dropped: a refusal lingers, or an error is on its way
             self._unset_keepalive_if_required()
+            self._last_read_at = self.loop.time()
             phase_before, message_before = self._phase, self._message_no
             self._heads_in_read = 0
             try:
