@@ -495,3 +495,47 @@ def test_the_drain_rate_comes_from_the_settings():
     assert limits.lingering_drain_bytes_s == 3 << 20
     assert guarded_protocol(limits).lingering.drain_rate.rate == 3 << 20
     assert limits_from_settings(ServiceSettings(), fds=4096).lingering_drain_bytes_s == 256 << 20
+
+
+class ResetTransport:
+    """What a refused newcomer's transport does when its client reset the connection between
+    the 503's write and the half-close: shutdown() fails with ENOTCONN (seen 512 times in a
+    storm of clients that connect, send and reset)."""
+
+    def __init__(self):
+        self.written, self.closed = b"", False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        import errno
+        raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_newcomer_refused_after_its_client_reset_the_connection_is_closed_without_an_error():
+    """The failed half-close must not raise out of connection_made (the half-built protocol
+    then parsed the request and ran the app: a traceback each), and the connection keeps no
+    lingering slot it never used (the count leaked: after 512, no refusal lingered again)."""
+    import asyncio
+
+    from services.runtime.edge import connection_room
+    from services.runtime.edge.connection_room import RefusedNewcomer
+
+    loop = asyncio.new_event_loop()
+    try:
+        before = connection_room._lingering[0]
+        transport = ResetTransport()
+        refused = RefusedNewcomer(loop, transport, 8)
+        assert transport.closed and b"too_many_connections" in transport.written
+        assert connection_room._lingering[0] == before
+        refused.gone()
+        assert connection_room._lingering[0] == before
+    finally:
+        loop.close()

@@ -152,9 +152,13 @@ class RefusedNewcomer:
         if _lingering[0] >= min(MAX_LINGERING, limit) or not transport.can_write_eof():
             transport.close()
             return
+        try:
+            transport.write_eof()
+        except OSError:  # the client reset the connection before it was accepted: nothing to linger for
+            transport.close()
+            return
         _lingering[0] += 1
         self._counted = True
-        transport.write_eof()
         self._timer = loop.call_later(LINGER_S, transport.close)
 
     def gone(self) -> None:

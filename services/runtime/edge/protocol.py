@@ -92,6 +92,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             if not room.make_room(len(self.connections), self.loop.time()):  # each has a request in progress
                 stats.refused += 1
                 self.transport = transport
+                self._broken = True  # never parsed, whatever happens to its refusal
                 self._refused = RefusedNewcomer(self.loop, transport, limits.max_connections)
                 return
             super().connection_made(transport)
