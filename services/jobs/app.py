@@ -72,7 +72,8 @@ class JobsPart(ServicePart):
                      "queue_refuses_writes": svc.broker.refusal, "queue_data_lost_at": svc.registry.data_lost_at,
                      "streams": streams, "stages": svc.stages(), "counts": dict(counts),
                      "submits": {"held_bytes": svc.submits.used, "waiting": svc.submits.waiting,
-                                 "waited": svc.submits.waited, "refused": svc.submits.refused}},
+                                 "waited": svc.submits.waited, "refused": svc.submits.refused},
+                     "long_polls_waiting": svc.polls_waiting},
         }
 
     async def before_scrape(self) -> None:

@@ -175,9 +175,14 @@ class JobsService:
         if ev is not None:
             ev.set()
 
+    @property
+    def polls_waiting(self) -> int:
+        return sum(self._waiting.values())
+
     async def job(self, job_id: str, wait_s: float) -> dict[str, str] | None:
-        """The job's fields, once it is finished or after ``wait_s`` (a long poll)."""
-        if wait_s <= 0 or self.draining:
+        """The job's fields, once it is finished or after ``wait_s`` (a long poll; at most
+        max_waiting_polls wait at once, the others are answered at once)."""
+        if wait_s <= 0 or self.draining or self.polls_waiting >= self.settings.max_waiting_polls:
             return await self.broker.get(job_id)
         ev = self._waiters.setdefault(job_id, asyncio.Event())
         self._waiting[job_id] = self._waiting.get(job_id, 0) + 1

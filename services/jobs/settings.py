@@ -189,6 +189,11 @@ class JobsSettings(ServiceSettings):
                                   "(default: $ONECARD_DRAIN_S, else 70 % of the supervisor's grace_s); the rest "
                                   "go back on the queue")
     max_wait_s: float = Field(10.0, ge=0, le=300, description="longest GET /v1/jobs/{id}?wait= (long poll)")
+    # a long poll holds its connection with a request in progress, which never makes room at
+    # max_connections: 600 clients long-polling took every connection of the port, /healthz's too
+    max_waiting_polls: int = Field(128, ge=0, le=100_000, description="long polls waiting at once; beyond, a poll "
+                                   "is answered at once with the job as it is (its connection then idles between "
+                                   "requests and may make room for a newcomer)")
     retry_after_s: int = Field(1, ge=0, le=3600, description="Retry-After on 503 and on unfinished results")
     max_json_depth: int = Field(33, ge=3, le=1000, description="a submit whose JSON nests deeper gets 400 "
                                 "json_too_deep (the envelope adds one level to a service's own body limit of 32)")

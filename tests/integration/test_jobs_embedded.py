@@ -39,7 +39,7 @@ def unit(tmp_path_factory):
                       "img2img": (IMG2IMG_APP, {"backend": "style", "max_side": 128, "warmup_runs": 1}),
                       "scripted": (TARGET_APP, {"model": "m1", "dry_run": True})},
              target_settings={"scripted": {"max_in_flight": 1}},
-             queue={"max_attempts": 2}, max_image_bytes=200_000, max_body_bytes=1_000_000)
+             queue={"max_attempts": 2}, max_image_bytes=200_000, max_body_bytes=1_000_000, max_waiting_polls=2)
     try:
         start_units(u)
         yield u
@@ -181,6 +181,31 @@ def test_idempotency_key_returns_the_same_job(unit):
     fresh = unit.api.post("/v1/jobs", json={"service": "detect", "route": "/api/v1/facedetect", "image": img},
                           headers={"Idempotency-Key": "order-18"})
     assert fresh.json()["id"] != first.json()["id"]
+
+
+def test_long_polls_beyond_max_waiting_polls_are_answered_at_once(unit):
+    """Two long polls wait for a queued job (max_waiting_polls 2): a third is answered at once
+    with the job as it is, while the two still wait (each waiting poll holds a connection
+    that can never make room for a newcomer); the two get the finished job."""
+    import concurrent.futures
+    blocker = unit.submit("scripted", WORK, body={"tag": "poll-blocker", "sleep_s": 3})
+    unit.wait(blocker["id"], ("running",))
+    queued = unit.submit("scripted", WORK, body={"tag": "polled", "sleep_s": 0})
+
+    def long_poll() -> dict:
+        r = httpx.get(f"{unit.api.base_url}/v1/jobs/{queued['id']}", params={"wait": 20, "result": "false"},
+                      timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        waiting = [pool.submit(long_poll) for _ in range(2)]
+        deadline = time.monotonic() + 10
+        while unit.stats()["jobs"]["long_polls_waiting"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        third = unit.job(queued["id"], wait=20, result="false")
+        assert third["state"] == "queued" and not any(f.done() for f in waiting)
+        assert [f.result()["state"] for f in waiting] == ["succeeded", "succeeded"]
 
 
 def test_cancel_a_queued_job_and_it_never_runs(unit):
