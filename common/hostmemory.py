@@ -123,3 +123,26 @@ def trim_heap() -> None:
             _libc = False
     if _libc:
         _libc.malloc_trim(0)
+
+
+DEFAULT_SHARE = 0.3  # of the container's memory, for a service whose budget neither it nor the supervisor set
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def service_memory(configured: int | None, fraction: float | None, environ=os.environ,
+                   limit: int | None = None) -> tuple[int | None, str]:
+    """(bytes, where the figure comes from): the setting, else the supervisor's plan, else a
+    share of the container's limit (or of the machine's RAM)."""
+    if configured:
+        return configured, "memory_budget_bytes"
+    planned = environ.get("ONECARD_MEMORY_BUDGET_BYTES", "").strip()
+    if planned.isdigit() and int(planned) > 0:
+        return int(planned), "the supervisor's plan"
+    limit = limit if limit is not None else memory_limit()
+    if not limit:
+        return None, "unknown"
+    share = fraction if fraction is not None else DEFAULT_SHARE
+    return int(limit * share), f"{share:g} of the memory limit {mib(limit)}"

@@ -100,6 +100,10 @@ class MemoryBroker(Broker):
         self.finished: collections.OrderedDict[str, int] = collections.OrderedDict()  # id -> result bytes, oldest first
         self.results_bytes = 0
 
+    def describe(self) -> dict[str, Any]:
+        return {"mode": self.mode, "max_queued_bytes": self.settings.max_queued_bytes,
+                "max_results_bytes": self.settings.max_results_bytes}
+
     # ---- helpers ------------------------------------------------------------------
     def _next(self) -> int:
         self._seq += 1

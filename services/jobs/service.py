@@ -22,6 +22,7 @@ from services.jobs.policy import RetryPolicy
 from services.jobs.records import TERMINAL
 from services.jobs.registry import Registry
 from services.jobs.settings import JobsSettings
+from services.jobs.store_budget import sized_for_memory
 from services.jobs.targets import ResultTooLarge, Target, TargetTimeout, TargetUnreachable, unit_services
 from services.runtime.codecs.gil_lane import LANE_MIN_BYTES, release_on
 from services.runtime.errors import ApiError
@@ -38,7 +39,7 @@ def make_broker(settings: JobsSettings, node: str, environ=os.environ) -> Broker
     url = settings.queue.resolved_url(environ)  # StartupConfigError when url_env names a missing variable
     policy = RetryPolicy.from_settings(settings.queue)
     if url is None:
-        return MemoryBroker(settings.queue, node, settings.max_queued_jobs, policy)
+        return MemoryBroker(sized_for_memory(settings, environ), node, settings.max_queued_jobs, policy)
     from services.jobs.redis_broker import RedisBroker  # only units with a queue need redis-py
     return RedisBroker(url, settings.queue, node, settings.max_queued_jobs, policy)
 

@@ -80,9 +80,11 @@ class QueueSettings(_Strict):
     max_finished_jobs: int = Field(100_000, ge=1, le=100_000_000, description="embedded queue: finished jobs "
                                    "kept in memory; beyond, the oldest finished are forgotten before results_ttl_s")
     max_results_bytes: int = Field(2**30, ge=1024, le=2**40, description="embedded queue: bytes of results kept "
-                                   "in memory; beyond, the oldest finished jobs are forgotten")
+                                   "in memory; beyond, the oldest finished jobs are forgotten (left at the default, "
+                                   "sized with max_queued_bytes from the service's memory budget)")
     max_queued_bytes: int = Field(2**30, ge=1024, le=2**40, description="embedded queue: bytes of the bodies of "
-                                  "queued and running jobs; a submit beyond gets 503 queue_full")
+                                  "queued and running jobs; a submit beyond gets 503 queue_full (left at the default, "
+                                  "sized from the service's memory budget)")
     retry_backoff_s: float = Field(1.0, ge=0, le=3600, allow_inf_nan=False, description="a failed attempt is "
                                    "retried after this, doubled at each attempt (0: at once)")
     retry_backoff_max_s: float = Field(60.0, ge=0, le=86400, allow_inf_nan=False,

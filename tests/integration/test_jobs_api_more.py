@@ -108,6 +108,20 @@ def test_the_listing_is_paginated_and_bounded(unit):
     assert everything[-len(seen):] == seen and len(set(everything)) == len(everything)
 
 
+def test_the_embedded_store_fits_the_memory_the_supervisor_planned(tmp_path):
+    """A jobs service with 1 GiB of planned memory keeps at most 60 % of it, less its submits'
+    room, in queued bodies and results (not 1 GiB of each): what /info says its queue holds."""
+    u = Unit(tmp_path, "budget", {"scripted": (TARGET_APP, {"model": "m1"})})
+    u.jobs.env["ONECARD_MEMORY_BUDGET_BYTES"] = str(2**30)
+    try:
+        start_units(u)
+        queue = u.api.get("/info").json()["queue"]
+        assert queue["mode"] == "embedded"
+        assert queue["max_queued_bytes"] + queue["max_results_bytes"] <= 0.6 * 2**30 - 256 * 2**20, queue
+    finally:
+        u.stop()
+
+
 def test_a_failed_attempt_is_retried_after_its_backoff(tmp_path):
     log = tmp_path / "journal"
     u = Unit(tmp_path, "backoff", {"scripted": (TARGET_APP, {"model": "m1", "dry_run": True, "journal": str(log)})},

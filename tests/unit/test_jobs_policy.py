@@ -149,6 +149,25 @@ def test_default_settings_are_embedded_and_sane():
     assert (s.max_result_bytes, s.max_json_depth) == (128 * 2**20, 33)
 
 
+def test_the_embedded_store_is_sized_from_the_services_memory_budget(caplog):
+    """Left at their defaults (1 GiB each), the embedded queue's bodies and results fit in 60 %
+    of the jobs service's planned memory less what submits being read may hold; set in the
+    configuration they are kept (with a warning); with room enough, or no budget known,
+    nothing changes."""
+    from services.jobs.store_budget import EMBEDDED_STORE_SHARE, sized_for_memory
+    budget = 1638 * 2**20
+    plan = {"ONECARD_MEMORY_BUDGET_BYTES": str(budget)}
+    s = JobsSettings.model_validate({})
+    q = sized_for_memory(s, plan)
+    assert q.max_queued_bytes + q.max_results_bytes <= budget * EMBEDDED_STORE_SHARE - s.submit_memory_bytes
+    assert q.max_results_bytes >= s.max_result_bytes and q.max_queued_bytes >= s.max_body_bytes
+    assert (q.max_attempts, q.results_ttl_s) == (s.queue.max_attempts, s.queue.results_ttl_s)
+    explicit = JobsSettings.model_validate({"queue": {"max_results_bytes": 2**30}})
+    assert sized_for_memory(explicit, plan).max_results_bytes == 2**30 and "kept as configured" in caplog.text
+    assert sized_for_memory(s, {"ONECARD_MEMORY_BUDGET_BYTES": str(64 * 2**30)}) is s.queue
+    assert sized_for_memory(s, {}, limit=0) is s.queue  # no budget known: no change
+
+
 def test_a_queue_url_variable_must_name_a_url():
     s = JobsSettings.model_validate({"queue": {"url_env": "JOBS_TEST_REDIS_URL"}})
     for env in ({}, {"JOBS_TEST_REDIS_URL": ""}, {"JOBS_TEST_REDIS_URL": "  "}, {"JOBS_TEST_REDIS_URL": "http://x"}):

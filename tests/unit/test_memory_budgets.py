@@ -9,8 +9,9 @@ import threading
 import pytest
 
 from common import hostmemory as memory
+from common.hostmemory import service_memory
 from services.runtime.errors import ApiError
-from services.runtime.pipeline.budgets import Charge, HeldMemory, plan_budgets, service_memory
+from services.runtime.pipeline.budgets import Charge, HeldMemory, plan_budgets
 from services.runtime.pipeline.cost import RequestCost, ServiceCost
 
 GIB = 2**30

@@ -17,21 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from common import hostmemory as memory
+from common.hostmemory import mib
 from services.runtime.errors import ApiError
 
 MIN_AVAILABLE = 64 * 2**20  # below this a budget is a misconfiguration, not a plan
-DEFAULT_SHARE = 0.3          # of the container's memory, when the supervisor planned none
-
-
-def mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -48,22 +42,6 @@ class Budgets:
         return {"service_bytes": self.service_bytes, "baseline_bytes": self.baseline_bytes,
                 "batch_bytes": self.batch_bytes, "held_bytes": self.held_bytes,
                 "request_bytes": self.request_bytes, "batch_on_gpu": self.batch_on_gpu, "source": self.source}
-
-
-def service_memory(configured: int | None, fraction: float | None, environ=os.environ,
-                   limit: int | None = None) -> tuple[int | None, str]:
-    """(bytes, where the figure comes from): the setting, else the supervisor's plan, else a
-    share of the container's limit (or of the machine's RAM)."""
-    if configured:
-        return configured, "memory_budget_bytes"
-    planned = environ.get("ONECARD_MEMORY_BUDGET_BYTES", "").strip()
-    if planned.isdigit() and int(planned) > 0:
-        return int(planned), "the supervisor's plan"
-    limit = limit if limit is not None else memory.memory_limit()
-    if not limit:
-        return None, "unknown"
-    share = fraction if fraction is not None else DEFAULT_SHARE
-    return int(limit * share), f"{share:g} of the memory limit {mib(limit)}"
 
 
 def plan_budgets(service_bytes: int | None, baseline: int, *, source: str = "",

@@ -21,7 +21,7 @@ from common import hostmemory as host_memory
 from services.runtime.device import gpu as device_gpu
 from services.runtime.device.threads import apply_threads, planned_threads
 from services.runtime.pipeline.backend import Backend
-from services.runtime.pipeline.budgets import HeldMemory, plan_budgets, service_memory
+from services.runtime.pipeline.budgets import HeldMemory, plan_budgets
 from services.runtime.pipeline.metrics import PipelineMetrics
 from services.runtime.pipeline.model_routes import ModelPipeline, is_dry_run_scope
 from services.runtime.pipeline.scheduler import Scheduler
@@ -115,7 +115,7 @@ class ModelPart(ServicePart):
         model holds."""
         s = self.settings
         cost = self.scheduler.cost
-        total, source = service_memory(s.memory_budget_bytes, s.memory_budget_fraction)
+        total, source = host_memory.service_memory(s.memory_budget_bytes, s.memory_budget_fraction)
         baseline = host_memory.resident_bytes() or 0
         gpu_call = None
         if str(getattr(self.backend, "device", "")) == "cuda":
