@@ -313,3 +313,48 @@ def test_the_default_body_limit_fits_one_largest_picture_and_little_else():
     one_picture = -(-s.max_image_bytes // 3) * 4
     assert one_picture + 1024 * 1024 <= s.max_body_bytes <= one_picture + 2 * 1024 * 1024
     assert s.max_body_bytes < 30_000_000  # the issue's 30 MB submits
+
+
+def test_a_big_page_of_jobs_is_made_off_the_event_loop(monkeypatch):
+    """GET /v1/jobs: a page of 500 job views (half a megabyte of JSON) is built and encoded on
+    the service's executor, not on the loop that answers /healthz; a small page stays on the
+    loop (a thread hop would cost it more). The answer is the same either way."""
+    import concurrent.futures
+    import threading
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from services.jobs import api_admin
+    from services.jobs.service import JobsService
+
+    threads: dict[str, set] = {"loop": set(), "views": set()}
+    real_view = api_admin.public_view
+    monkeypatch.setattr(api_admin, "public_view",
+                        lambda f: threads["views"].add(threading.get_ident()) or real_view(f))
+
+    class Broker:
+        async def list_jobs(self, model, state, limit, cursor):
+            threads["loop"].add(threading.get_ident())
+            return [{"id": f"{i:032x}", "state": state, "model": model} for i in range(limit)], None
+
+    class Svc:
+        broker = Broker()
+        executor = concurrent.futures.ThreadPoolExecutor(1)
+        settings = JobsSettings.model_validate({})
+        cpu = JobsService.cpu
+
+    svc = Svc()
+    app = FastAPI()
+    api_admin.add_admin_routes(app, svc)
+    try:
+        with TestClient(app) as client:
+            for limit, off_loop in ((500, True), (8, False)):
+                threads["views"].clear()
+                r = client.get("/v1/jobs", params={"model": "detect/haar/haar", "state": "queued", "limit": limit})
+                assert r.status_code == 200 and len(r.json()["jobs"]) == limit
+                assert r.json()["jobs"][0]["id"] == f"{0:032x}" and r.json()["next_cursor"] is None
+                assert bool(threads["views"] - threads["loop"]) == off_loop, (limit, threads)
+    finally:
+        svc.executor.shutdown()
+
