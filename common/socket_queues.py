@@ -6,6 +6,8 @@ read yet (FIONREAD), and bytes sent that the client has not acknowledged (TIOCOU
 from __future__ import annotations
 
 import fcntl
+import os
+import socket
 import struct
 import termios
 from typing import Any
@@ -35,3 +37,18 @@ def has_bytes_waiting(transport: Any) -> bool:
     except (OSError, AttributeError, ValueError):
         return False
     return unread_bytes(fd) > 0
+
+
+def waiting_bytes(fd: int, limit: int) -> bytes:
+    """Up to ``limit`` bytes the client sent that nobody read yet, left in place (MSG_PEEK on
+    a duplicate of the descriptor: closing it leaves the connection open)."""
+    try:
+        peek = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return b""
+    try:
+        return peek.recv(limit, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:
+        return b""
+    finally:
+        peek.close()

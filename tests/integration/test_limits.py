@@ -231,10 +231,16 @@ def test_a_newcomer_is_refused_only_when_every_connection_has_a_request_in_progr
         sending.set()
         trickle.start()
         time.sleep(1.5)  # past STALLED_BODY_S: they are not stalled, they are sending
-        with socket.create_connection(("127.0.0.1", svc.port)) as s:
-            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        with socket.create_connection(("127.0.0.1", svc.port)) as s:  # its body is still to come
+            s.sendall(b"POST /api/v1/echo HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                      b"Content-Length: 60000\r\n\r\n" + PNG)
             data = _read_until_closed(s, 5)
         assert data.startswith(b"HTTP/1.1 503") and b"too_many_connections" in data, data[:200]
+        # a newcomer whose whole request is in (a probe, a small upload) is answered beyond the limit
+        with socket.create_connection(("127.0.0.1", svc.port)) as s:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            data = _read_until_closed(s, 5)
+        assert data.startswith(b"HTTP/1.1 200"), data[:200]
         sending.clear()
         trickle.join()
         for s in uploads:  # untouched: nobody made room by answering or closing an upload

@@ -539,3 +539,44 @@ def test_a_newcomer_refused_after_its_client_reset_the_connection_is_closed_with
         assert connection_room._lingering[0] == before
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize("data,whole", [
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", True),
+    (b"POST /a HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc", True),
+    (b"POST /a HTTP/1.1\r\nContent-Length: 4\r\n\r\nabc", False),                  # body still to come
+    (b"POST /a HTTP/1.1\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\n", False),  # waits for a 100
+    (b"POST /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", False),
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\n", False),                                   # head unfinished
+    (b"", False),
+])
+def test_a_whole_request_is_one_with_nothing_more_to_wait_for(data, whole):
+    from services.runtime.edge.connection_room import whole_request
+    assert whole_request(data) is whole
+
+
+def test_a_full_room_takes_a_newcomer_with_a_whole_request_within_its_overflow_only():
+    room, closed, c = room_of(8)
+    for name in "abcdefgh":
+        c[name] = Conn(name, closed)
+        room.busy(c[name])
+    assert not room.make_room(8, 0.0, lambda: False)  # its request is not in yet: refused
+    assert room.make_room(8, 0.0, lambda: True)       # a probe: answered beyond the limit
+    assert room.make_room(15, 0.0, lambda: True)      # up to 8 beyond (an eighth of the limit, at least 8)
+    assert not room.make_room(16, 0.0, lambda: True) and closed == []
+
+
+
+def test_waiting_bytes_are_peeked_and_left_for_the_reader():
+    import socket
+
+    from common.socket_queues import waiting_bytes
+    ours, theirs = socket.socketpair()
+    try:
+        assert waiting_bytes(ours.fileno(), 100) == b""
+        theirs.sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
+        assert waiting_bytes(ours.fileno(), 5) == b"GET /"
+        assert ours.recv(100) == b"GET /healthz HTTP/1.1\r\n\r\n"  # still there, and the socket still open
+    finally:
+        ours.close()
+        theirs.close()

@@ -13,7 +13,11 @@ back by the service): 600 clients that send a head with ``Expect: 100-continue``
 body held every connection in progress, and every newcomer, /healthz included, got 503 until
 their body deadline. A connection with any other request in progress (its body arriving or
 held back by the service, its answer being made or sent, requests pipelined behind it) is
-never closed that way: only when every connection has one is a newcomer refused.
+never closed that way: only when every connection has one is a newcomer refused, unless
+what it sent is already a whole request with nothing more to wait for (a probe, a small
+upload): it is answered and gone at once, so up to QUICK_OVERFLOW such newcomers are taken
+beyond the limit (connections that hold bodies back kept /healthz at 503 otherwise: each one
+that made room was taken at once by the holders' own reconnects).
 
 Real clients send their request the moment they connect, usually before the service
 accepts them: a newcomer whose bytes are already waiting counts as a head arriving, not
@@ -25,6 +29,8 @@ Event loop thread only; no lock.
 from __future__ import annotations
 
 import asyncio
+import re
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from common.socket_queues import has_bytes_waiting
@@ -33,6 +39,7 @@ from services.runtime.edge.connection_limits import error_bytes
 LINGER_S = 1.0
 STALLED_BODY_S = 1.0   # a body owed by its client with nothing for this long may make room
 STALLED_SCAN = 32      # bodies looked at for one newcomer (those the service holds back go last)
+QUICK_OVERFLOW = 1 / 8  # of the limit: newcomers with a whole request taken beyond it (at least 8)
 MAX_LINGERING = 1024
 _lingering = [0]  # refused connections still draining, across the process (event loop thread only)
 
@@ -53,11 +60,12 @@ class ConnectionRoom:
         self._bodies: dict[Evictable, float] = {}    # a body arriving, by the time of its last read
         self._leaving: set[Evictable] = set()        # closed to make room, not gone yet
 
-    def make_room(self, open_now: int, now: float = 0.0) -> bool:
+    def make_room(self, open_now: int, now: float = 0.0, quick: Callable[[], bool] = lambda: False) -> bool:
         """Before a newcomer is accepted (``open_now`` connections are open, ``now`` on the
         loop's clock): True when it may stay, after closing the longest idle connection (or
-        failing that, an arriving head, then a stalled body) if the port is full; False when
-        every connection has a request in progress."""
+        failing that, an arriving head, then a stalled body) if the port is full, or when
+        ``quick()`` says it sent a whole request and the overflow has room; False when every
+        connection has a request in progress."""
         if open_now - len(self._leaving) < self.limit:
             return True
         # one taken as idle whose request has arrived since (not read yet on a busy loop) is
@@ -67,7 +75,8 @@ class ConnectionRoom:
         pool = self._idle or self._arriving
         victim = next(iter(pool)) if pool else self._stalled_body(now)
         if victim is None:
-            return False
+            overflow = max(8, int(self.limit * QUICK_OVERFLOW))
+            return open_now - len(self._leaving) < self.limit + overflow and quick()
         for listed in (self._idle, self._arriving, self._bodies):
             listed.pop(victim, None)
         self._leaving.add(victim)  # still open until its connection_lost: not counted twice
@@ -129,6 +138,19 @@ class ConnectionRoom:
     def counts(self) -> dict[str, int]:
         return {"idle": len(self._idle), "arriving": len(self._arriving), "bodies": len(self._bodies),
                 "leaving": len(self._leaving)}
+
+
+def whole_request(data: bytes) -> bool:
+    """Is ``data`` one request with nothing more to wait for: its head, and all of its body
+    (a Content-Length at most what came; no chunked body, no Expect: 100-continue)?"""
+    end = data.find(b"\r\n\r\n")
+    if end < 0:
+        return False
+    head = data[:end].lower()
+    if b"\nexpect:" in head or b"\ntransfer-encoding:" in head:
+        return False
+    length = re.search(rb"\ncontent-length:[ \t]*(\d{1,9})[ \t]*(?:\r|$)", head)
+    return len(data) >= end + 4 + (int(length.group(1)) if length else 0)
 
 
 def too_many_connections(limit: int) -> bytes:

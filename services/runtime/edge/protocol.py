@@ -37,17 +37,26 @@ import httptools
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from common.socket_queues import has_bytes_waiting
+from common.socket_queues import has_bytes_waiting, waiting_bytes
 from services.runtime.edge.body_pace import BodyRate, chunks_too_small
 from services.runtime.edge.connection_limits import ConnectionLimits, ConnectionStats, Refusal, error_bytes
-from services.runtime.edge.connection_room import ConnectionRoom, RefusedNewcomer, too_many_connections
+from services.runtime.edge.connection_room import ConnectionRoom, RefusedNewcomer, too_many_connections, whole_request
 from services.runtime.edge.lingering_close import LingeringClose
-from services.runtime.edge.read_turns import ReadTurns, TurnedFlowControl, read_at_once
+from services.runtime.edge.read_turns import READ_AT_ONCE_BYTES, ReadTurns, TurnedFlowControl, read_at_once
 from services.runtime.edge.send_deadline import KernelQueueLinger, SendWatch, reset
 
 __all__ = ["ConnectionLimits", "ConnectionStats", "error_bytes", "guarded_protocol"]
 
 IDLE, HEAD, BODY = "idle", "head", "body"  # where the parser is in the latest request
+
+
+def sent_whole_request(transport: asyncio.Transport) -> bool:
+    """Has the client already sent a whole small request (read_turns.READ_AT_ONCE_BYTES at most)?"""
+    try:
+        fd = transport.get_extra_info("socket").fileno()
+    except (OSError, AttributeError, ValueError):
+        return False
+    return whole_request(waiting_bytes(fd, READ_AT_ONCE_BYTES))
 
 
 def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = ConnectionStats,
@@ -89,7 +98,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
 
         # ---- connections ------------------------------------------------------------
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            if not room.make_room(len(self.connections), self.loop.time()):  # each has a request in progress
+            if not room.make_room(len(self.connections), self.loop.time(), lambda: sent_whole_request(transport)):
                 stats.refused += 1
                 self.transport = transport
                 self._broken = True  # never parsed, whatever happens to its refusal
