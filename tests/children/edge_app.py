@@ -2,7 +2,8 @@
 
 GET /big?mb=N answers N MiB built for that request (its own memory, as an encoded
 image would be); GET /wait?s=S answers after S seconds of awaiting (no model, no
-thread); GET /whoami answers the client address the app sees.
+thread); GET /whoami answers the client address the app sees; POST /late_read?s=S reads
+its body only after S seconds (as a service that admits a request before reading it).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from tests.children.scripted_app import create_app as create_scripted_app
@@ -27,5 +28,10 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
     async def wait(s: float = 1.0, tag: str = ""):
         await asyncio.sleep(s)
         return {"waited": s, "tag": tag}
+
+    @app.post("/late_read")
+    async def late_read(request: Request, s: float = 1.0):
+        await asyncio.sleep(s)
+        return {"bytes": len(await request.body())}
 
     return app

@@ -548,6 +548,10 @@ def test_a_newcomer_refused_after_its_client_reset_the_connection_is_closed_with
     (b"POST /a HTTP/1.1\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\n", False),  # waits for a 100
     (b"POST /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", False),
     (b"GET /healthz HTTP/1.1\r\nHost: x\r\n", False),                                   # head unfinished
+    (b"POST /a HTTP/1.1\r\nContent-Length: 0000000000003\r\n\r\nabc", True),          # zeros: still 3
+    (b"POST /a HTTP/1.1\r\nContent-Length: 00000000000100\r\n\r\nabc", False),        # 100, not 0
+    (b"POST /a HTTP/1.1\r\nContent-Length: x3\r\n\r\nabc", False),                    # not a number
+    (b"GET / HTTP/1.1\r\n\r\nPOST /a HTTP/1.1\r\nContent-Length: 9\r\n\r\n", False),  # a second behind it
     (b"", False),
 ])
 def test_a_whole_request_is_one_with_nothing_more_to_wait_for(data, whole):

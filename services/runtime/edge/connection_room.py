@@ -40,6 +40,7 @@ LINGER_S = 1.0
 STALLED_BODY_S = 1.0   # a body owed by its client with nothing for this long may make room
 STALLED_SCAN = 32      # bodies looked at for one newcomer (those the service holds back go last)
 QUICK_OVERFLOW = 1 / 8  # of the limit: newcomers with a whole request taken beyond it (at least 8)
+OVERFLOW = 2            # make_room's answer for a newcomer taken beyond the limit (True: within it)
 MAX_LINGERING = 1024
 _lingering = [0]  # refused connections still draining, across the process (event loop thread only)
 
@@ -60,12 +61,13 @@ class ConnectionRoom:
         self._bodies: dict[Evictable, float] = {}    # a body arriving, by the time of its last read
         self._leaving: set[Evictable] = set()        # closed to make room, not gone yet
 
-    def make_room(self, open_now: int, now: float = 0.0, quick: Callable[[], bool] = lambda: False) -> bool:
+    def make_room(self, open_now: int, now: float = 0.0, quick: Callable[[], bool] = lambda: False) -> bool | int:
         """Before a newcomer is accepted (``open_now`` connections are open, ``now`` on the
         loop's clock): True when it may stay, after closing the longest idle connection (or
         failing that, an arriving head, then a stalled body) if the port is full, or when
-        ``quick()`` says it sent a whole request and the overflow has room; False when every
-        connection has a request in progress."""
+        ``quick()`` says it sent a whole request and the overflow has room (then OVERFLOW: the
+        connection serves that request only); False when every connection has a request in
+        progress."""
         if open_now - len(self._leaving) < self.limit:
             return True
         # one taken as idle whose request has arrived since (not read yet on a busy loop) is
@@ -76,7 +78,7 @@ class ConnectionRoom:
         victim = next(iter(pool)) if pool else self._stalled_body(now)
         if victim is None:
             overflow = max(8, int(self.limit * QUICK_OVERFLOW))
-            return open_now - len(self._leaving) < self.limit + overflow and quick()
+            return OVERFLOW if open_now - len(self._leaving) < self.limit + overflow and quick() else False
         for listed in (self._idle, self._arriving, self._bodies):
             listed.pop(victim, None)
         self._leaving.add(victim)  # still open until its connection_lost: not counted twice
@@ -141,16 +143,19 @@ class ConnectionRoom:
 
 
 def whole_request(data: bytes) -> bool:
-    """Is ``data`` one request with nothing more to wait for: its head, and all of its body
-    (a Content-Length at most what came; no chunked body, no Expect: 100-continue)?"""
+    """Is ``data`` exactly one request with nothing more to wait for: its head and all of its
+    body, nothing after (no chunked body, no Expect: 100-continue, a Content-Length that reads
+    as one number)?"""
     end = data.find(b"\r\n\r\n")
     if end < 0:
         return False
     head = data[:end].lower()
     if b"\nexpect:" in head or b"\ntransfer-encoding:" in head:
         return False
-    length = re.search(rb"\ncontent-length:[ \t]*(\d{1,9})[ \t]*(?:\r|$)", head)
-    return len(data) >= end + 4 + (int(length.group(1)) if length else 0)
+    if b"\ncontent-length:" not in head:
+        return len(data) == end + 4
+    length = re.search(rb"\ncontent-length:[ \t]*(\d+)[ \t]*(?:\r|$)", head)
+    return length is not None and len(data) == end + 4 + int(length.group(1))
 
 
 def too_many_connections(limit: int) -> bytes:

@@ -40,7 +40,13 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from common.socket_queues import has_bytes_waiting, waiting_bytes
 from services.runtime.edge.body_pace import BodyRate, chunks_too_small
 from services.runtime.edge.connection_limits import ConnectionLimits, ConnectionStats, Refusal, error_bytes
-from services.runtime.edge.connection_room import ConnectionRoom, RefusedNewcomer, too_many_connections, whole_request
+from services.runtime.edge.connection_room import (
+    OVERFLOW,
+    ConnectionRoom,
+    RefusedNewcomer,
+    too_many_connections,
+    whole_request,
+)
 from services.runtime.edge.lingering_close import LingeringClose
 from services.runtime.edge.read_turns import READ_AT_ONCE_BYTES, ReadTurns, TurnedFlowControl, read_at_once
 from services.runtime.edge.send_deadline import KernelQueueLinger, SendWatch, reset
@@ -94,16 +100,19 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._body_rate: BodyRate | None = None
             self._chunks = 0           # chunk headers of this request's body
             self._last_read_at = 0.0   # on the loop's clock: a stalled body may make room (connection_room)
+            self._overflow = False     # taken beyond max_connections with a whole request
             self._body_data = 0        # its bytes without the framing
 
         # ---- connections ------------------------------------------------------------
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            if not room.make_room(len(self.connections), self.loop.time(), lambda: sent_whole_request(transport)):
+            admitted = room.make_room(len(self.connections), self.loop.time(), lambda: sent_whole_request(transport))
+            if not admitted:
                 stats.refused += 1
                 self.transport = transport
                 self._broken = True  # never parsed, whatever happens to its refusal
                 self._refused = RefusedNewcomer(self.loop, transport, limits.max_connections)
                 return
+            self._overflow = admitted is OVERFLOW  # answered, then closed: never a second request
             super().connection_made(transport)
             self.flow = TurnedFlowControl(transport, turns, self.loop)  # before any request takes it
             room.arrived(self, transport)
@@ -144,6 +153,14 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 room.arriving(self)
             else:
                 room.no_request(self)
+
+        def _body_owed_now(self) -> None:
+            """The body is the client's to send from now (its 100 Continue is being written): its
+            stall is counted from here, not from the last read. (Reading paused by the service
+            needs no such mark: the bytes the client could not send wait in the socket and are
+            read, and counted, as soon as it resumes.)"""
+            self._last_read_at = self.loop.time()
+            self._update_room()
 
         def owes_body(self) -> bool:
             return (self._phase == BODY and not self._broken and not self._client_waits()
@@ -418,6 +435,9 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 self._active = self.cycle
             if self.cycle.waiting_for_100_continue:
                 self._close_if_refused_before_continue(self.cycle)
+                self._stamp_the_continue(self.cycle)
+            if self._overflow:  # taken beyond max_connections for this one request
+                self.cycle.keep_alive = False
 
         def _close_if_refused_before_continue(self, cycle) -> None:
             """A client that sent ``Expect: 100-continue`` holds its body back until the 100;
@@ -431,6 +451,17 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                     cycle.keep_alive = False
                 await send(message)
             cycle.send = send_then_close
+
+        def _stamp_the_continue(self, cycle) -> None:
+            """uvicorn writes the 100 Continue when the app first reads the body, maybe long
+            after the head (the jobs service reads a submit once it is admitted)."""
+            receive = cycle.receive
+
+            async def receive_after_continue():
+                if cycle.waiting_for_100_continue and cycle is self.cycle:
+                    self._body_owed_now()
+                return await receive()
+            cycle.receive = receive_after_continue
 
         def on_chunk_header(self) -> None:
             self._chunks += 1
