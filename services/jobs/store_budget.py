@@ -6,7 +6,8 @@ memory budget. Twenty-four upscale jobs with 54 MB answers and 45 queued 27 MB s
 it to 1951 MiB against a planned 1638 MiB. When those two are left at their defaults they are
 sized from the service's budget (the supervisor's plan, else a share of the container's
 limit): together at most EMBEDDED_STORE_SHARE of it, less what submits being read may hold.
-Values set in the configuration win (a warning says when they do not fit).
+A value set in the configuration wins and the other is sized from what it leaves; a warning
+says when they do not fit (or when the smallest that works, one result and one body, does not).
 """
 
 from __future__ import annotations
@@ -32,11 +33,16 @@ def sized_for_memory(settings: JobsSettings, environ=os.environ, limit: int | No
     room = int(budget * EMBEDDED_STORE_SHARE) - settings.submit_memory_bytes
     if queue.max_queued_bytes + queue.max_results_bytes <= room:
         return queue
-    if set(STORE_KEYS) & queue.model_fields_set:
-        log.warning("jobs: queue.max_queued_bytes and queue.max_results_bytes (%s together) are over %g of the "
-                    "service's memory budget (%s, %s) less submit_memory_bytes; kept as configured",
-                    mib(queue.max_queued_bytes + queue.max_results_bytes), EMBEDDED_STORE_SHARE, mib(budget), source)
-        return queue
-    results = max(settings.max_result_bytes, room // 2)   # at least one result fits
-    queued = max(settings.max_body_bytes, room - results)  # and one submit's body
-    return queue.model_copy(update={"max_queued_bytes": queued, "max_results_bytes": results})
+    explicit = set(STORE_KEYS) & queue.model_fields_set
+    left = [key for key in STORE_KEYS if key not in explicit]
+    # the smallest that still works: one result of max_result_bytes, one submit's body
+    floors = {"max_queued_bytes": settings.max_body_bytes, "max_results_bytes": settings.max_result_bytes}
+    share = (room - sum(getattr(queue, key) for key in explicit)) // max(1, len(left))
+    sized = queue.model_copy(update={key: max(floors[key], share) for key in left})
+    if sized.max_queued_bytes + sized.max_results_bytes > room:
+        log.warning("jobs: the embedded queue holds up to %s of bodies and results, over %g of the service's "
+                    "memory budget (%s, %s) less submit_memory_bytes (%s)%s",
+                    mib(sized.max_queued_bytes + sized.max_results_bytes), EMBEDDED_STORE_SHARE, mib(budget), source,
+                    mib(settings.submit_memory_bytes),
+                    "; as configured" if explicit else ": its smallest (one result, one submit's body)")
+    return sized

@@ -162,8 +162,16 @@ def test_the_embedded_store_is_sized_from_the_services_memory_budget(caplog):
     assert q.max_queued_bytes + q.max_results_bytes <= budget * EMBEDDED_STORE_SHARE - s.submit_memory_bytes
     assert q.max_results_bytes >= s.max_result_bytes and q.max_queued_bytes >= s.max_body_bytes
     assert (q.max_attempts, q.results_ttl_s) == (s.queue.max_attempts, s.queue.results_ttl_s)
-    explicit = JobsSettings.model_validate({"queue": {"max_results_bytes": 2**30}})
-    assert sized_for_memory(explicit, plan).max_results_bytes == 2**30 and "kept as configured" in caplog.text
+    explicit = JobsSettings.model_validate({"queue": {"max_results_bytes": 2**30, "max_queued_bytes": 2**30}})
+    assert sized_for_memory(explicit, plan) == explicit.queue and "as configured" in caplog.text
+    one = JobsSettings.model_validate({"queue": {"max_results_bytes": 300 * 2**20}})
+    q = sized_for_memory(one, plan)  # the other fills what is left
+    assert q.max_results_bytes == 300 * 2**20
+    assert q.max_queued_bytes + q.max_results_bytes <= budget * EMBEDDED_STORE_SHARE - s.submit_memory_bytes
+    caplog.clear()
+    tiny = sized_for_memory(s, {"ONECARD_MEMORY_BUDGET_BYTES": str(256 * 2**20)})  # less than the submits' room
+    assert (tiny.max_results_bytes, tiny.max_queued_bytes) == (s.max_result_bytes, s.max_body_bytes)
+    assert "its smallest" in caplog.text
     assert sized_for_memory(s, {"ONECARD_MEMORY_BUDGET_BYTES": str(64 * 2**30)}) is s.queue
     assert sized_for_memory(s, {}, limit=0) is s.queue  # no budget known: no change
 
