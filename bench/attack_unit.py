@@ -253,7 +253,9 @@ class Window:
             rows = [r for r in public if by_port.get(r["port"]) == name]
             ms = [r["ms"] for r in rows if r["ok"]]
             health[name] = {"n": len(rows), "failed": sum(not r["ok"] for r in rows), "p50_ms": pct(ms, 50),
-                            "p99_ms": pct(ms, 99), "max_ms": max(ms) if ms else None}
+                            "p99_ms": pct(ms, 99), "max_ms": max(ms) if ms else None,
+                            "failures": sorted({f"{r['status']} {r['error'] or ''}".strip()
+                                                for r in rows if not r["ok"]})[:5]}
         legit_out: dict[str, dict] = {}
         for name in ("detect", "img2img"):
             rows = [r for r in legit if by_port.get(r["port"]) == name]

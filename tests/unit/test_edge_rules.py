@@ -518,6 +518,15 @@ class ResetTransport:
     def close(self) -> None:
         self.closed = True
 
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
 
 def test_a_newcomer_refused_after_its_client_reset_the_connection_is_closed_without_an_error():
     """The failed half-close must not raise out of connection_made (the half-built protocol
@@ -532,9 +541,9 @@ def test_a_newcomer_refused_after_its_client_reset_the_connection_is_closed_with
     try:
         before = connection_room._lingering[0]
         transport = ResetTransport()
-        refused = RefusedNewcomer(loop, transport, 8)
+        refused = RefusedNewcomer(loop, transport, 8, pace_s=0.0)
+        loop.run_until_complete(asyncio.sleep(0.01))  # its paced 503
         assert transport.closed and b"too_many_connections" in transport.written
-        assert connection_room._lingering[0] == before
         refused.gone()
         assert connection_room._lingering[0] == before
     finally:
@@ -584,3 +593,110 @@ def test_waiting_bytes_are_peeked_and_left_for_the_reader():
     finally:
         ours.close()
         theirs.close()
+
+
+def test_a_connection_idle_for_a_moment_makes_room_only_after_a_stalled_body():
+    """A probe accepted before its request is read is idle for a moment: while a body has
+    stalled, that one makes room, not the fresh connection (a chain of evictions closed the
+    probe's without an answer)."""
+    from services.runtime.edge.connection_room import FRESH_S, STALLED_BODY_S
+
+    clock = FakeLoop()
+    room = ConnectionRoom(3, clock=clock.time)
+    closed: list[str] = []
+    c = {name: Conn(name, closed) for name in ("body", "other", "probe", "old")}
+    for conn in c.values():
+        conn.owes_body = lambda: True
+    room.body_arriving(c["body"], last_read=clock.now)
+    room.busy(c["other"])
+    clock.now += STALLED_BODY_S + 0.1
+    room.no_request(c["probe"])  # just accepted, its bytes not in yet
+    assert room.make_room(3, clock.now) and closed == ["body"]
+    room.gone(c["body"])
+    room.no_request(c["old"])    # a kept-alive one, idle from now on
+    clock.now += FRESH_S
+    room.no_request(c["probe"])  # answered and kept alive just now: fresh again
+    assert room.make_room(3, clock.now) and closed == ["body", "old"]  # idle for FRESH_S: it goes
+    assert room.make_room(4, clock.now) and closed == ["body", "old", "probe"]  # nothing else: the fresh one
+
+
+class HeldTransport:
+    """A refused newcomer's transport: what was written, half-closed, paused, closed."""
+
+    def __init__(self):
+        self.written, self.eof, self.closed, self.paused = b"", False, False, False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.eof = True
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+
+def test_a_refused_newcomer_is_answered_after_a_pause_and_a_late_whole_request_is_taken():
+    """Its 503 waits PACE_S (a client answered at once reconnects at once); a whole request
+    that arrives meanwhile is offered to the room, and once taken nothing is written."""
+    from services.runtime.edge import connection_room
+    from services.runtime.edge.connection_room import LINGER_S, PACE_S, RefusedNewcomer
+
+    loop, before = FakeLoop(), connection_room._lingering[0]
+    refused = RefusedNewcomer(loop, transport := HeldTransport(), 8)
+    assert transport.written == b"" and connection_room._lingering[0] == before + 1
+    loop.advance(PACE_S[0] - 0.1, step=0.05)
+    assert transport.written == b""
+    loop.advance(PACE_S[1] - PACE_S[0] + 0.1, step=0.05)
+    assert b"503" in transport.written and b"too_many_connections" in transport.written and transport.eof
+    assert not transport.closed
+    loop.advance(LINGER_S + 0.1)
+    assert transport.closed  # the lingering close
+    refused.gone()
+    assert connection_room._lingering[0] == before
+
+    offered: list[bytes] = []
+    taken = RefusedNewcomer(loop, transport := HeldTransport(), 8,
+                            take_late=lambda data: offered.append(data) or len(offered) > 1, pace_s=1.0)
+    taken.data_received(b"GET /healthz HTTP/1.1\r\n")
+    assert offered == []  # not whole yet
+    taken.data_received(b"Host: x\r\n\r\n")
+    assert offered == [b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"]  # no room: still refused
+    taken.data_received(b"")
+    assert len(offered) == 2 and connection_room._lingering[0] == before  # taken: gone from the count
+    loop.advance(2.0)
+    assert transport.written == b"" and not transport.closed
+
+    big = RefusedNewcomer(loop, transport := HeldTransport(), 8, take_late=offered.append, pace_s=1.0)
+    big.data_received(b"POST /a HTTP/1.1\r\nContent-Length: 99999\r\n\r\n" + b"x" * 20000)
+    assert transport.paused and len(offered) == 2  # not a probe: its bytes wait in the socket
+    loop.advance(1.1)
+    assert b"503" in transport.written and not transport.paused  # answered, then drained
+    big.gone()
+
+
+def test_every_pool_of_descriptors_fits_under_the_descriptor_limit():
+    """Open connections, the overflow beyond them, refusals waiting or lingering, connections
+    told after making room, lingering closes and unread answers: at their bounds together
+    they stay under RLIMIT_NOFILE."""
+    from services.runtime.edge.connection_limits import limits_from_settings
+    from services.runtime.edge.connection_room import MAX_LINGERING, QUICK_OVERFLOW
+    from services.runtime.settings import ServiceSettings
+
+    for fds in (256, 1024, 4096, 65536):
+        limit = limits_from_settings(ServiceSettings(max_connections=1_000_000), fds=fds).max_connections
+        overflow = max(8, int(limit * QUICK_OVERFLOW))
+        total = limit + overflow + min(MAX_LINGERING, limit) + limit + limit + limit
+        assert total + 64 <= fds or limit == 16, (fds, limit, total)

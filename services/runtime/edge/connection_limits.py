@@ -43,6 +43,7 @@ class ConnectionStats:
     evicted = 0
     bodies_too_slow = 0
     bodies_too_fragmented = 0
+    taken_late = 0            # refused newcomers whose whole request came while their 503 waited
     reads_deferred = 0        # paused uploads whose next read waited for a later turn (read_turns)
 
 
@@ -68,7 +69,9 @@ def limits_from_settings(settings, fds: int) -> ConnectionLimits:
     defaults = ConnectionLimits()
     values = {name: getattr(settings, name, getattr(defaults, name))
               for name in ConnectionLimits.__dataclass_fields__}
-    # open connections, as many lingering refusals and as many unread answers draining from
-    # the kernel must all fit under the descriptor limit
-    values["max_connections"] = min(values["max_connections"], max(16, (fds - 64) // 3))
+    # open connections (and the eighth beyond them that whole requests may take), as many
+    # refusals waiting or lingering, as many connections told after making room, as many
+    # lingering closes and as many unread answers draining from the kernel must all fit under
+    # the descriptor limit
+    values["max_connections"] = min(values["max_connections"], max(16, (fds - 64) // 6))
     return ConnectionLimits(**values)

@@ -21,7 +21,14 @@ that made room was taken at once by the holders' own reconnects).
 
 Real clients send their request the moment they connect, usually before the service
 accepts them: a newcomer whose bytes are already waiting counts as a head arriving, not
-as idle, so a flood of silent connections makes room with its own members first.
+as idle, so a flood of silent connections makes room with its own members first. One idle
+(or arriving) for under FRESH_S gives way only after stalled bodies: a probe accepted
+before its bytes came is idle for a moment, and was the one closed.
+
+Whoever is turned away, or closed to make room, is told so after a pause (PACE_S), holding
+no place meanwhile: clients that reconnect the moment they are answered (hundreds of them,
+ignoring Retry-After) otherwise come back as fast as the loop can turn them away, and a
+probe waits behind all of them in the accept queue.
 
 Event loop thread only; no lock.
 """
@@ -29,15 +36,20 @@ Event loop thread only; no lock.
 from __future__ import annotations
 
 import asyncio
+import random
 import re
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from common.socket_queues import has_bytes_waiting
 from services.runtime.edge.connection_limits import error_bytes
+from services.runtime.edge.read_turns import READ_AT_ONCE_BYTES
 
 LINGER_S = 1.0
+PACE_S = (0.5, 1.0)     # a refusal's 503 is written after this long (uniform: reconnects do not come in waves)
 STALLED_BODY_S = 1.0   # a body owed by its client with nothing for this long may make room
+FRESH_S = 1.0          # idle (or a head arriving) for less: made room only after stalled bodies
 STALLED_SCAN = 32      # bodies looked at for one newcomer (those the service holds back go last)
 QUICK_OVERFLOW = 1 / 8  # of the limit: newcomers with a whole request taken beyond it (at least 8)
 OVERFLOW = 2            # make_room's answer for a newcomer taken beyond the limit (True: within it)
@@ -54,17 +66,18 @@ class Evictable(Protocol):
 
 
 class ConnectionRoom:
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._idle: dict[Evictable, None] = {}       # insertion order: idle the longest first
-        self._arriving: dict[Evictable, None] = {}   # a head begun: waiting the longest first
+    def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic):
+        self.limit, self.clock = limit, clock  # the loop's clock (asyncio's is time.monotonic)
+        self._idle: dict[Evictable, float] = {}      # since when, idle the longest first
+        self._arriving: dict[Evictable, float] = {}  # a head begun (when): waiting the longest first
         self._bodies: dict[Evictable, float] = {}    # a body arriving, by the time of its last read
         self._leaving: set[Evictable] = set()        # closed to make room, not gone yet
 
     def make_room(self, open_now: int, now: float = 0.0, quick: Callable[[], bool] = lambda: False) -> bool | int:
         """Before a newcomer is accepted (``open_now`` connections are open, ``now`` on the
-        loop's clock): True when it may stay, after closing the longest idle connection (or
-        failing that, an arriving head, then a stalled body) if the port is full, or when
+        loop's clock): True when it may stay, after closing, if the port is full, the longest
+        idle connection (or failing that, the oldest arriving head) of those so for FRESH_S,
+        else a stalled body, else the longest idle or oldest head however fresh; or when
         ``quick()`` says it sent a whole request and the overflow has room (then OVERFLOW: the
         connection serves that request only); False when every connection has a request in
         progress."""
@@ -74,8 +87,8 @@ class ConnectionRoom:
         # arriving: it moves on, once, and the next idle one is looked at
         while self._idle and has_bytes_waiting(getattr(first := next(iter(self._idle)), "transport", None)):
             self.arriving(first)
-        pool = self._idle or self._arriving
-        victim = next(iter(pool)) if pool else self._stalled_body(now)
+        victim = (self._settled(self._idle, now) or self._settled(self._arriving, now) or self._stalled_body(now)
+                  or next(iter(self._idle or self._arriving), None))
         if victim is None:
             overflow = max(8, int(self.limit * QUICK_OVERFLOW))
             return OVERFLOW if open_now - len(self._leaving) < self.limit + overflow and quick() else False
@@ -84,6 +97,14 @@ class ConnectionRoom:
         self._leaving.add(victim)  # still open until its connection_lost: not counted twice
         victim.give_way()
         return True
+
+    def _settled(self, pool: dict[Evictable, float], now: float) -> Evictable | None:
+        """The first of ``pool`` (the longest idle, or the oldest head) if it has been so for
+        FRESH_S: a connection just accepted is idle until its request is read, and under a
+        flood of reconnects a probe's was the one closed (the chain of evictions took the
+        idle one first); it gives way only after stalled bodies."""
+        first = next(iter(pool), None)
+        return first if first is not None and now - pool[first] >= FRESH_S else None
 
     def _stalled_body(self, now: float) -> Evictable | None:
         """The body owed the longest, if nothing came for it for STALLED_BODY_S; one the service
@@ -110,13 +131,13 @@ class ConnectionRoom:
         if conn not in self._leaving:
             self._arriving.pop(conn, None)
             self._idle.pop(conn, None)
-            self._idle[conn] = None
+            self._idle[conn] = self.clock()
 
     def arriving(self, conn: Evictable) -> None:
         """A request head arriving; it keeps its place while more of it comes."""
         if conn not in self._leaving:
             self._idle.pop(conn, None)
-            self._arriving.setdefault(conn, None)
+            self._arriving.setdefault(conn, self.clock())
 
     def body_arriving(self, conn: Evictable, last_read: float) -> None:
         """A request body arriving, its last bytes read at ``last_read``: closed to make room
@@ -164,31 +185,81 @@ def too_many_connections(limit: int) -> bytes:
 
 
 class RefusedNewcomer:
-    """A newcomer refused because every connection has a request in progress: 503, then a
-    lingering close (half-close, drain what the client sends, close on its EOF or after
-    LINGER_S). Closing with unread data would send a reset that destroys the 503 before the
-    client reads it. Bounded: past MAX_LINGERING (or the connection limit) refused
-    connections draining at once, the next are closed at once."""
+    """A newcomer refused because every connection has a request in progress. Its 503 is not
+    written at once but after a pause (PACE_S, jittered; the Retry-After is 1 s anyway): a
+    client answered at once reconnects at once, and a few hundred of them that ignore
+    Retry-After kept the accept queue 90 deep, a /healthz probe waiting behind each of them
+    (detect p99 186-443 ms). Paused, each costs a timer and its descriptor, and comes back
+    at most about once a second.
 
-    __slots__ = ("_timer", "_counted")
+    While it waits, what it sends is looked at (up to READ_AT_ONCE_BYTES, then reading
+    pauses): a whole request that arrives after its connection was accepted (a probe that
+    connects, then writes) is handed to ``take_late`` and may still be taken beyond the
+    limit, as it would have been had its bytes come first. Then the 503, a half-close, and a
+    lingering close (what the client sends is dropped; closed on its EOF or after LINGER_S):
+    closing with unread data sends a reset that destroys the 503 before the client reads it.
+    Bounded: past MAX_LINGERING (or the connection limit) refused connections waiting or
+    lingering at once, the next one is answered and closed at once."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport, limit: int):
+    __slots__ = ("_loop", "_transport", "_limit", "_timer", "_counted", "_seen", "_take_late", "_answered")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport, limit: int,
+                 take_late: Callable[[bytes], bool] | None = None, pace_s: float | None = None):
+        self._loop, self._transport, self._limit = loop, transport, limit
         self._timer: asyncio.TimerHandle | None = None
         self._counted = False
-        transport.write(too_many_connections(limit))
+        self._seen = b""
+        self._take_late = take_late
+        self._answered = False
         if _lingering[0] >= min(MAX_LINGERING, limit) or not transport.can_write_eof():
-            transport.close()
-            return
-        try:
-            transport.write_eof()
-        except OSError:  # the client reset the connection before it was accepted: nothing to linger for
+            self._answered = True
+            transport.write(too_many_connections(limit))
             transport.close()
             return
         _lingering[0] += 1
         self._counted = True
-        self._timer = loop.call_later(LINGER_S, transport.close)
+        if pace_s is None:
+            pace_s = random.uniform(*PACE_S)
+        self._timer = loop.call_later(pace_s, self._answer)
+
+    def data_received(self, data: bytes) -> None:
+        """Bytes from the client: dropped once answered; while it waits, a whole request
+        may still be taken (``take_late``)."""
+        if self._answered or self._take_late is None:
+            return
+        self._seen += data
+        if len(self._seen) > READ_AT_ONCE_BYTES:  # not a probe: its bytes wait in the socket
+            self._seen, self._take_late = b"", None
+            self._transport.pause_reading()
+            return
+        if whole_request(self._seen) and self._take_late(self._seen):
+            self.gone()
+
+    def _answer(self) -> None:
+        self._timer = None
+        self._answered = True
+        self._seen = b""
+        transport = self._transport
+        if transport.is_closing():
+            return
+        transport.write(too_many_connections(self._limit))
+        try:
+            transport.write_eof()
+        except OSError:  # the client reset the connection: nothing to linger for
+            transport.close()
+            return
+        transport.resume_reading()  # drained and dropped until the client closes
+        self._timer = self._loop.call_later(LINGER_S, transport.close)
+
+    def client_closed(self) -> None:
+        """The client shut its side: it may still read, so it gets its answer now."""
+        if not self._answered and not self._transport.is_closing():
+            self._answered = True
+            self._transport.write(too_many_connections(self._limit))
+        self._transport.close()
 
     def gone(self) -> None:
+        """Its connection is lost, or it was taken after all: nothing more to do."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

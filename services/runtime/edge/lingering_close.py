@@ -106,6 +106,7 @@ class LingeringClose:
         view = memoryview(self._buffer)
 
         def done() -> None:
+            nonlocal readable, resume, check
             if self._kept.pop(kept, None) is None:
                 return  # already done
             loop.remove_reader(kept.fileno())
@@ -113,6 +114,8 @@ class LingeringClose:
                 if handle is not None:
                     handle.cancel()
             kept.close()
+            # these closures refer to each other: freed now rather than by a full collection
+            readable = resume = check = None  # type: ignore[assignment]
 
         def resume() -> None:
             state["resume"] = None

@@ -23,6 +23,9 @@ class EdgeCollector:
                  "Requests whose body framing took over twice max_body_bytes on the wire (413)."),
                 ("onecard_connections_evicted", self.stats.evicted,
                  "Idle connections (or unfinished heads, or stalled bodies) closed to make room at max_connections."),
+                ("onecard_connections_taken_late", self.stats.taken_late,
+                 "Newcomers refused at max_connections whose whole request arrived while their 503 waited, "
+                 "then taken beyond the limit after all."),
                 ("onecard_bodies_too_slow", self.stats.bodies_too_slow,
                  "Request bodies cut for arriving under min_body_rate_bytes_s (408)."),
                 ("onecard_bodies_too_fragmented", self.stats.bodies_too_fragmented,
