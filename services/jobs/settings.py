@@ -194,8 +194,9 @@ class JobsSettings(ServiceSettings):
     # a long poll holds its connection with a request in progress, which never makes room at
     # max_connections: 600 clients long-polling took every connection of the port, /healthz's too
     max_waiting_polls: int = Field(128, ge=0, le=100_000, description="long polls waiting at once; beyond, a poll "
-                                   "is answered at once with the job as it is (its connection then idles between "
-                                   "requests and may make room for a newcomer)")
+                                   "is answered with the job as it is after 0.5-1 x retry_after_s (at once when "
+                                   "finished; its connection then idles between requests and may make room for a "
+                                   "newcomer, and a client polling in a loop comes back no faster)")
     retry_after_s: int = Field(1, ge=0, le=3600, description="Retry-After on 503 and on unfinished results")
     max_json_depth: int = Field(33, ge=3, le=1000, description="a submit whose JSON nests deeper gets 400 "
                                 "json_too_deep (the envelope adds one level to a service's own body limit of 32)")

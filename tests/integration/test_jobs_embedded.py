@@ -183,8 +183,9 @@ def test_idempotency_key_returns_the_same_job(unit):
     assert fresh.json()["id"] != first.json()["id"]
 
 
-def test_long_polls_beyond_max_waiting_polls_are_answered_at_once(unit):
-    """Two long polls wait for a queued job (max_waiting_polls 2): a third is answered at once
+def test_long_polls_beyond_max_waiting_polls_are_answered_after_a_pause(unit):
+    """Two long polls wait for a queued job (max_waiting_polls 2): a third is answered after a
+    pause (0.5-1 x Retry-After, not its 20 s: a client polling in a loop comes back no faster)
     with the job as it is, while the two still wait (each waiting poll holds a connection
     that can never make room for a newcomer); the two get the finished job."""
     import concurrent.futures
@@ -203,8 +204,11 @@ def test_long_polls_beyond_max_waiting_polls_are_answered_at_once(unit):
         deadline = time.monotonic() + 10
         while unit.stats()["jobs"]["long_polls_waiting"] < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
+        t0 = time.monotonic()
         third = unit.job(queued["id"], wait=20, result="false")
+        paused = time.monotonic() - t0
         assert third["state"] == "queued" and not any(f.done() for f in waiting)
+        assert 0.5 <= paused < 10, paused
         assert [f.result()["state"] for f in waiting] == ["succeeded", "succeeded"]
 
 
@@ -344,15 +348,20 @@ def test_probes_answer_on_the_private_socket_while_clients_hold_every_connection
                       b"Content-Length: 1000\r\n\r\n{")
             held.append(s)
         deadline = time.monotonic() + 10
-        while True:  # the public port is full: a newcomer is refused
-            try:
-                refused = httpx.get(u.jobs.url + "/healthz", timeout=2).status_code == 503
-            except httpx.HTTPError:
-                refused = True
+        while True:  # the public port is full: a newcomer whose request is still coming is refused
+            with socket.create_connection(("127.0.0.1", u.jobs.port)) as s:
+                s.settimeout(5)
+                s.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 1000\r\n\r\n{")
+                try:
+                    refused = b"too_many_connections" in s.recv(4096)
+                except OSError:
+                    refused = False
             if refused:
                 break
             assert time.monotonic() < deadline, "the public port still took connections"
-            time.sleep(0.1)
+        # a probe's whole request is still taken beyond the limit on the public port too
+        assert httpx.get(u.jobs.url + "/healthz", timeout=5).status_code == 200
         status, doc = probe(path, "/healthz")
         assert (status, doc["status"], doc["instance"], doc["pid"]) == (200, "ok", "tok-jobs", u.jobs.proc.pid)
         status, doc = probe(path, "/readyz")

@@ -448,3 +448,44 @@ def test_concurrent_uploads_take_turns_and_every_one_is_read_whole(svc):
     codes = {(r.status_code, r.json()["error"]["code"]) for r in answers}
     assert codes <= {(415, "unsupported_image"), (503, "overloaded")} and (415, "unsupported_image") in codes, codes
     assert _metric(svc, "onecard_upload_reads_deferred_total") > before
+
+
+def test_a_probe_is_answered_ahead_of_requests_read_in_the_same_turn(svc):
+    """30 requests (each building a 2 MiB answer) and then a /healthz arrive while the loop is
+    held (GET /block): when it turns again, all of them are read in one turn. At most a few
+    start per turn, the probe at once, so its answer is out before most of theirs (before, it
+    came after all 30)."""
+    before = _metric(svc, "onecard_request_starts_deferred_total")
+    flood = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(httpx.get, svc.url + "/block?s=1.0", timeout=30)
+        time.sleep(0.2)
+        try:
+            for i in range(30):
+                s = socket.create_connection(("127.0.0.1", svc.port))
+                s.sendall(f"GET /big?mb=2&i={i} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+                flood.append(s)
+            with socket.create_connection(("127.0.0.1", svc.port)) as p:
+                p.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                p.settimeout(10)
+                answer = p.recv(4096)
+                answered_before = 0
+                for s in flood:  # which of theirs were already out when the probe's came
+                    try:
+                        answered_before += bool(s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+                    except BlockingIOError:
+                        pass
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+            for s in flood:
+                s.settimeout(10)
+                assert s.recv(4096).startswith(b"HTTP/1.1 200")
+                s.shutdown(socket.SHUT_WR)
+                while s.recv(1 << 20):  # each answer read whole (2 MiB, each built by its own request)
+                    pass
+        finally:
+            for s in flood:
+                s.close()
+        assert held.result().status_code == 200
+    print("answered before the probe:", answered_before)
+    assert answered_before < 20, answered_before
+    assert _metric(svc, "onecard_request_starts_deferred_total") > before

@@ -577,6 +577,24 @@ def test_a_full_room_takes_a_newcomer_with_a_whole_request_within_its_overflow_o
     assert room.make_room(8, 0.0, lambda: True)       # a probe: answered beyond the limit
     assert room.make_room(15, 0.0, lambda: True)      # up to 8 beyond (an eighth of the limit, at least 8)
     assert not room.make_room(16, 0.0, lambda: True) and closed == []
+    # a probe may also take the reserve beyond the overflow: clients' whole requests filled it
+    from services.runtime.edge.connection_room import PROBE, PROBE_RESERVE, WHOLE
+    assert room.make_room(16, 0.0, lambda: PROBE) and not room.make_room(16, 0.0, lambda: WHOLE)
+    assert room.make_room(15 + PROBE_RESERVE, 0.0, lambda: PROBE)
+    assert not room.make_room(16 + PROBE_RESERVE, 0.0, lambda: PROBE) and closed == []
+
+
+@pytest.mark.parametrize("data,kind", [
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", 2),
+    (b"GET /readyz HTTP/1.1\r\n\r\n", 2),
+    (b"GET /healthz?x=1 HTTP/1.1\r\n\r\n", 1),   # not a probe's path: a whole request
+    (b"POST /healthz HTTP/1.1\r\nContent-Length: 0\r\n\r\n", 1),
+    (b"GET /v1/jobs/1 HTTP/1.1\r\n\r\n", 1),
+    (b"GET /healthz HTTP/1.1\r\n", 0),               # its head unfinished
+])
+def test_a_probe_is_a_whole_get_of_a_probes_path(data, kind):
+    from services.runtime.edge.connection_room import request_kind
+    assert request_kind(data) == kind
 
 
 

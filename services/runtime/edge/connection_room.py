@@ -53,6 +53,9 @@ FRESH_S = 1.0          # idle (or a head arriving) for less: made room only afte
 STALLED_SCAN = 32      # bodies looked at for one newcomer (those the service holds back go last)
 QUICK_OVERFLOW = 1 / 8  # of the limit: newcomers with a whole request taken beyond it (at least 8)
 OVERFLOW = 2            # make_room's answer for a newcomer taken beyond the limit (True: within it)
+PROBE_RESERVE = 8       # beyond the overflow, for probes only: clients' own whole requests filled it
+WHOLE, PROBE = 1, 2     # what quick() may say of a newcomer's bytes (0: not a whole request)
+PROBE_TARGETS = frozenset({b"/healthz", b"/readyz"})
 MAX_LINGERING = 1024
 _lingering = [0]  # refused connections still draining, across the process (event loop thread only)
 
@@ -73,12 +76,13 @@ class ConnectionRoom:
         self._bodies: dict[Evictable, float] = {}    # a body arriving, by the time of its last read
         self._leaving: set[Evictable] = set()        # closed to make room, not gone yet
 
-    def make_room(self, open_now: int, now: float = 0.0, quick: Callable[[], bool] = lambda: False) -> bool | int:
+    def make_room(self, open_now: int, now: float = 0.0, quick: Callable[[], int] = lambda: 0) -> bool | int:
         """Before a newcomer is accepted (``open_now`` connections are open, ``now`` on the
         loop's clock): True when it may stay, after closing, if the port is full, the longest
         idle connection (or failing that, the oldest arriving head) of those so for FRESH_S,
         else a stalled body, else the longest idle or oldest head however fresh; or when
-        ``quick()`` says it sent a whole request and the overflow has room (then OVERFLOW: the
+        ``quick()`` says it sent a whole request (WHOLE, or PROBE: a GET of a probe's path,
+        which may also take the PROBE_RESERVE beyond) and the overflow has room (then OVERFLOW: the
         connection serves that request only); False when every connection has a request in
         progress."""
         if open_now - len(self._leaving) < self.limit:
@@ -91,7 +95,12 @@ class ConnectionRoom:
                   or next(iter(self._idle or self._arriving), None))
         if victim is None:
             overflow = max(8, int(self.limit * QUICK_OVERFLOW))
-            return OVERFLOW if open_now - len(self._leaving) < self.limit + overflow and quick() else False
+            if open_now - len(self._leaving) >= self.limit + overflow + PROBE_RESERVE:
+                return False
+            kind = quick()  # only now: it peeks at the socket
+            if kind == PROBE or (kind and open_now - len(self._leaving) < self.limit + overflow):
+                return OVERFLOW
+            return False
         for listed in (self._idle, self._arriving, self._bodies):
             listed.pop(victim, None)
         self._leaving.add(victim)  # still open until its connection_lost: not counted twice
@@ -161,6 +170,15 @@ class ConnectionRoom:
     def counts(self) -> dict[str, int]:
         return {"idle": len(self._idle), "arriving": len(self._arriving), "bodies": len(self._bodies),
                 "leaving": len(self._leaving)}
+
+
+def request_kind(data: bytes) -> int:
+    """0 unless ``data`` is one whole request (whole_request); PROBE for a GET of a probe's
+    path, else WHOLE."""
+    if not whole_request(data):
+        return 0
+    line = data[:data.find(b"\r\n")].split(b" ")
+    return PROBE if len(line) == 3 and line[0] == b"GET" and line[1] in PROBE_TARGETS else WHOLE
 
 
 def whole_request(data: bytes) -> bool:
@@ -237,6 +255,9 @@ class RefusedNewcomer:
 
     def _answer(self) -> None:
         self._timer = None
+        if self._take_late is not None and whole_request(self._seen) and self._take_late(self._seen):
+            self.gone()  # a place came free while it waited
+            return
         self._answered = True
         self._seen = b""
         transport = self._transport

@@ -33,6 +33,9 @@ class EdgeCollector:
                 ("onecard_upload_reads_deferred", self.stats.reads_deferred,
                  "Upload reads put off to a later turn of the event loop, so that probes and small requests "
                  "come round between them."),
+                ("onecard_request_starts_deferred", self.stats.starts_deferred,
+                 "Requests whose app started in a later turn of the event loop (at most 8 start in one turn, "
+                 "probes at once), so that probes come round between them."),
                 ("onecard_unread_answers_reset", self.linger.reset_total,
                  "Closed connections reset because their answer stayed unread in the kernel."),
                 ("onecard_auth_failures", self.limiter.failures_total,

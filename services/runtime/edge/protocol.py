@@ -46,25 +46,27 @@ from services.runtime.edge.connection_room import (
     PACE_S,
     ConnectionRoom,
     RefusedNewcomer,
+    request_kind,
     too_many_connections,
-    whole_request,
 )
 from services.runtime.edge.lingering_close import LingeringClose
 from services.runtime.edge.read_turns import READ_AT_ONCE_BYTES, ReadTurns, TurnedFlowControl, read_at_once
 from services.runtime.edge.send_deadline import KernelQueueLinger, SendWatch, reset
+from services.runtime.edge.start_turns import StartTurns, is_probe
 
 __all__ = ["ConnectionLimits", "ConnectionStats", "error_bytes", "guarded_protocol"]
 
 IDLE, HEAD, BODY = "idle", "head", "body"  # where the parser is in the latest request
 
 
-def sent_whole_request(transport: asyncio.Transport) -> bool:
-    """Has the client already sent a whole small request (read_turns.READ_AT_ONCE_BYTES at most)?"""
+def sent_whole_request(transport: asyncio.Transport) -> int:
+    """Has the client already sent a whole small request (read_turns.READ_AT_ONCE_BYTES at
+    most)? connection_room.request_kind of it: 0, WHOLE or PROBE."""
     try:
         fd = transport.get_extra_info("socket").fileno()
     except (OSError, AttributeError, ValueError):
-        return False
-    return whole_request(waiting_bytes(fd, READ_AT_ONCE_BYTES))
+        return 0
+    return request_kind(waiting_bytes(fd, READ_AT_ONCE_BYTES))
 
 
 def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = ConnectionStats,
@@ -75,6 +77,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
     room = ConnectionRoom(limits.max_connections)
     lingering = LingeringClose(limits.max_connections, drain_bytes_s=limits.lingering_drain_bytes_s)
     turns = ReadTurns(stats)
+    starts = StartTurns(stats)
     leaving_paced = [0]  # connections that made room, waiting to be told and closed
 
     def too_large(what: str) -> Refusal:
@@ -118,7 +121,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 return
             self._admit(transport, admitted is OVERFLOW)
 
-        def _admit(self, transport: asyncio.Transport, overflow: bool) -> None:
+        def _admit(self, transport: asyncio.Transport, overflow: bool, read_now: bool = True) -> None:
             self._overflow = overflow  # answered, then closed: never a second request
             super().connection_made(transport)
             self.flow = TurnedFlowControl(transport, turns, self.loop)  # before any request takes it
@@ -127,19 +130,20 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._body_rate = BodyRate(self.loop, limits.min_body_rate_bytes_s, limits.body_rate_grace_s,
                                        lambda: self._body_bytes, self._client_waits, self._on_body_too_slow)
             self._update_receive_deadline()
-            read_at_once(transport)
+            if read_now:
+                read_at_once(transport)
 
         def _take_late(self, request: bytes) -> bool:
             """A refused newcomer's whole request came after its connection was accepted (a
             probe that connects, then writes): taken as if it had come first, if there is room."""
-            admitted = room.make_room(len(self.connections), self.loop.time(), lambda: True)
+            admitted = room.make_room(len(self.connections), self.loop.time(), lambda: request_kind(request))
             if not admitted:
                 return False
             stats.refused -= 1
             stats.taken_late += 1
             self._refused = None
             self._broken = False
-            self._admit(self.transport, admitted is OVERFLOW)
+            self._admit(self.transport, admitted is OVERFLOW, read_now=False)  # what it sent first goes first
             self.data_received(request)
             return True
 
@@ -533,6 +537,13 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 return await receive()
             cycle.receive = receive_after_continue
 
+        def _start_asgi_task(self, cycle, app) -> None:
+            """A few requests start per turn of the loop, probes at once (start_turns)."""
+            def begin() -> None:
+                if not cycle.disconnected:  # its client left while it waited its turn
+                    super(GuardedHttpProtocol, self)._start_asgi_task(cycle, app)
+            starts.start(begin, self.loop, prompt=is_probe(cycle.scope))
+
         def on_chunk_header(self) -> None:
             self._chunks += 1
             if chunks_too_small(self._chunks, self._body_data, limits.min_body_chunk_bytes):
@@ -560,4 +571,5 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             super().on_message_complete()
 
     GuardedHttpProtocol.lingering = lingering  # shared by its connections: seen by /metrics and tests
+    GuardedHttpProtocol.starts = starts
     return GuardedHttpProtocol
