@@ -4,11 +4,13 @@ try next. Same shape as bench/attack_classes.py: (unit, shared dict) -> {"status
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 from typing import Any
 
-from bench.attack_net import Holder, b64, concurrently, error_code, post_json, request, tally, trickle
+from bench.attack_net import HOST, Holder, b64, concurrently, error_code, post_json, request, tally, trickle
 from tests import images as I
 
 Result = dict[str, Any]
@@ -252,6 +254,93 @@ def png_text_bombs(u, ctx) -> Result:
     return {"statuses": tally(rs), "notes": notes}
 
 
+# ---- clients that come straight back ----------------------------------------------------------
+def _loop_clients(n: int, seconds: float, one) -> dict[str, int]:
+    """n threads, each calling one(got, lock) again and again for `seconds` (a fresh connection
+    each time it returns): what every answer was, tallied."""
+    got: dict[str, int] = {}
+    lock = threading.Lock()
+    t_end = time.monotonic() + seconds
+
+    def client(i: int) -> dict:
+        while time.monotonic() < t_end:
+            try:
+                one(got, lock, t_end)
+            except OSError as exc:
+                with lock:
+                    got[type(exc).__name__] = got.get(type(exc).__name__, 0) + 1
+                time.sleep(0.1)
+        return {}
+    concurrently(client, n)
+    return got
+
+
+def _count(got: dict[str, int], lock: threading.Lock, key: str) -> None:
+    with lock:
+        got[key] = got.get(key, 0) + 1
+
+
+def held_bodies_reconnecting(u, ctx) -> Result:
+    """600 clients on detect, each a POST with Expect: 100-continue and 20 MB announced whose
+    body never comes, reconnecting the moment they are answered (503 or 408), for 25 s: every
+    answer brought its client straight back, and a probe waited behind them all."""
+    head = (b"POST /api/v1/facedetect HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+            b"Expect: 100-continue\r\nContent-Length: 20000000\r\n\r\n")
+
+    def one(got, lock, t_end):
+        with socket.create_connection((HOST, u.ports["detect"]), timeout=30) as s:
+            s.sendall(head)
+            s.settimeout(1.0)
+            data = b""
+            while time.monotonic() < t_end:
+                try:
+                    piece = s.recv(65536)
+                except TimeoutError:
+                    continue
+                if not piece:
+                    break
+                data += piece
+                if data.startswith(b"HTTP/1.1 100") and b"\r\n\r\n" in data:
+                    _count(got, lock, "100 (then silent)")
+                    data = data.split(b"\r\n\r\n", 1)[1]
+                elif b"\r\n\r\n" in data:
+                    break
+            _count(got, lock, data[9:12].decode(errors="replace") or "closed")
+    return {"statuses": {}, "notes": {"attacker_saw": _loop_clients(600, 25, one)}}
+
+
+def pollers_in_a_loop(u, ctx) -> Result:
+    """600 clients on kept-alive connections long-polling one job (?wait=10) again and again for
+    25 s, first a queued one, then (once it finishes) a finished one, answered at once."""
+    png = b64(I.noisy_png(2000, 1500, 0.4))
+    submits = [post_json(u.ports["jobs"], "/v1/jobs", {"service": "img2img", "route": "/api/v1/img2img",
+                                                         "params": {"style": 3}, "image": png}) for _ in range(4)]
+    queued = [json.loads(r["body"])["id"] for r in submits if r["status"] == 202]
+    if not queued:
+        return {"statuses": tally(submits), "notes": {"skipped": "no job was taken"}}
+    req = f"GET /v1/jobs/{queued[-1]}?wait=10&result=false HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+
+    def one(got, lock, t_end):
+        with socket.create_connection((HOST, u.ports["jobs"]), timeout=20) as s:
+            while time.monotonic() < t_end:
+                s.sendall(req)
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    piece = s.recv(65536)
+                    if not piece:
+                        raise ConnectionError("closed")
+                    data += piece
+                head, _, rest = data.partition(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                while len(rest) < length and (piece := s.recv(65536)):
+                    rest += piece
+                _count(got, lock, head[9:12].decode())
+                if b"connection: close" in head.lower():
+                    break
+    return {"statuses": {}, "notes": {"poll_answers": _loop_clients(600, 25, one)}}
+
+
 OWN_ATTACKS = [
     ("B1 JSON of millions of [] (GIL, memory)", json_tiny_containers),
     ("B2 numbers at the edges", json_odd_numbers),
@@ -269,4 +358,6 @@ OWN_ATTACKS = [
     ("B14 header oddities", header_oddities),
     ("B15 200 junk submits under the body limit", junk_submits_under_the_limit),
     ("B16 PNG text chunks that inflate (zTXt/iTXt)", png_text_bombs),
+    ("B17 600 held bodies, straight back when answered", held_bodies_reconnecting),
+    ("B18 600 long pollers in a loop", pollers_in_a_loop),
 ]

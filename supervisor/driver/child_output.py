@@ -1,5 +1,6 @@
 """The children's output: every pipe read to its end, each line tagged with its source and
-kept in the child's tail (the last lines, for messages that say why it failed).
+kept in the child's tail (the last lines, for messages that say why it failed); a line that
+repeats the child's previous one reaches the log once per window (log_repeats).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from collections.abc import Callable
 
 from supervisor.driver.child import ChildProcess
 from supervisor.driver.events import ChildrenChanged
+from supervisor.driver.log_repeats import RepeatedLines
 from supervisor.driver.logs import LineSplitter, Tail
 from supervisor.driver.port import DriverPort
 
@@ -25,11 +27,14 @@ class ChildOutput:
         done = loop.create_future()
         sink = tail if tail is not None else (child.tail if child is not None else None)
         log = self.port.log
+        repeats = RepeatedLines(self.port.clock.now)
 
         def on_lines(texts: list[str]) -> None:
             if sink is not None:
-                sink.extend(texts)
-            log.lines(tag, texts)
+                sink.extend(texts)  # the tail keeps every line: the last ones say why a child failed
+            written = repeats.filter(texts)
+            if written:
+                log.lines(tag, written)
 
         def on_eof() -> None:
             if child is not None:

@@ -344,6 +344,17 @@ def test_an_exif_bomb_writes_no_log_flood(unit):
     assert unit.log_size() - before < 64 * 1024
 
 
+def test_pictures_a_c_library_complains_about_write_no_log_flood(unit):
+    """libpng prints a line to detect's stderr for each PNG whose checksum fails: 200 of them
+    leave that line once in the unit's log, with how many times it repeated."""
+    bad = I.bad_crc_png(64, 64, color_type=2)
+    before = unit.log_size()
+    answers = [post(unit.ports["detect"], "/api/v1/facedetect", bad, "image/png")[0] for _ in range(200)]
+    assert set(answers) <= {200, 400}, answers
+    time.sleep(1)
+    assert unit.log_size() - before < 4096
+
+
 # ---- and the unit is still there ----------------------------------------------------------------------
 def test_zz_the_unit_survived_every_attack(unit):
     assert unit.run.proc.poll() is None, unit.run.output()[-3000:]
