@@ -25,8 +25,9 @@ class Conn:
 
 
 def room_of(limit: int) -> tuple[ConnectionRoom, list[str], dict[str, Conn]]:
+    """A room whose connections were listed 10 s before make_room's time (0): none is fresh."""
     closed: list[str] = []
-    return ConnectionRoom(limit), closed, {}
+    return ConnectionRoom(limit, clock=lambda: -10.0), closed, {}
 
 
 def test_the_longest_idle_connection_makes_room_before_an_arriving_head():
@@ -613,9 +614,9 @@ def test_waiting_bytes_are_peeked_and_left_for_the_reader():
         theirs.close()
 
 
-def test_a_connection_idle_for_a_moment_makes_room_only_after_a_stalled_body():
-    """A probe accepted before its request is read is idle for a moment: while a body has
-    stalled, that one makes room, not the fresh connection (a chain of evictions closed the
+def test_a_connection_idle_for_a_moment_never_makes_room():
+    """A probe accepted before its request is read is idle for a moment: a stalled body or one
+    idle for FRESH_S makes room, never the fresh connection (a chain of evictions closed the
     probe's without an answer)."""
     from services.runtime.edge.connection_room import FRESH_S, STALLED_BODY_S
 
@@ -635,7 +636,8 @@ def test_a_connection_idle_for_a_moment_makes_room_only_after_a_stalled_body():
     clock.now += FRESH_S
     room.no_request(c["probe"])  # answered and kept alive just now: fresh again
     assert room.make_room(3, clock.now) and closed == ["body", "old"]  # idle for FRESH_S: it goes
-    assert room.make_room(4, clock.now) and closed == ["body", "old", "probe"]  # nothing else: the fresh one
+    # nothing else: the newcomer is refused, the fresh one kept (it may be a probe's)
+    assert not room.make_room(4, clock.now) and closed == ["body", "old"]
 
 
 class HeldTransport:
@@ -710,11 +712,11 @@ def test_every_pool_of_descriptors_fits_under_the_descriptor_limit():
     told after making room, lingering closes and unread answers: at their bounds together
     they stay under RLIMIT_NOFILE."""
     from services.runtime.edge.connection_limits import limits_from_settings
-    from services.runtime.edge.connection_room import MAX_LINGERING, QUICK_OVERFLOW
+    from services.runtime.edge.connection_room import PACED_PER_PLACE, PROBE_RESERVE, QUICK_OVERFLOW
     from services.runtime.settings import ServiceSettings
 
     for fds in (256, 1024, 4096, 65536):
         limit = limits_from_settings(ServiceSettings(max_connections=1_000_000), fds=fds).max_connections
-        overflow = max(8, int(limit * QUICK_OVERFLOW))
-        total = limit + overflow + min(MAX_LINGERING, limit) + limit + limit + limit
+        overflow = max(8, int(limit * QUICK_OVERFLOW)) + PROBE_RESERVE
+        total = limit + overflow + 2 * PACED_PER_PLACE * limit + limit + limit
         assert total + 64 <= fds or limit == 16, (fds, limit, total)

@@ -70,9 +70,9 @@ def limits_from_settings(settings, fds: int) -> ConnectionLimits:
     defaults = ConnectionLimits()
     values = {name: getattr(settings, name, getattr(defaults, name))
               for name in ConnectionLimits.__dataclass_fields__}
-    # open connections (and the eighth beyond them that whole requests may take), as many
-    # refusals waiting or lingering, as many connections told after making room, as many
-    # lingering closes and as many unread answers draining from the kernel must all fit under
-    # the descriptor limit
-    values["max_connections"] = min(values["max_connections"], max(16, (fds - 64) // 6))
+    # open connections (and the eighth beyond them that whole requests may take, and the
+    # probes' reserve), twice as many refusals waiting or lingering, twice as many connections
+    # told after making room, as many lingering closes and as many unread answers draining
+    # from the kernel must all fit under the descriptor limit
+    values["max_connections"] = min(values["max_connections"], max(16, (fds - 80) // 8))
     return ConnectionLimits(**values)

@@ -22,8 +22,8 @@ that made room was taken at once by the holders' own reconnects).
 Real clients send their request the moment they connect, usually before the service
 accepts them: a newcomer whose bytes are already waiting counts as a head arriving, not
 as idle, so a flood of silent connections makes room with its own members first. One idle
-(or arriving) for under FRESH_S gives way only after stalled bodies: a probe accepted
-before its bytes came is idle for a moment, and was the one closed.
+(or arriving) for under FRESH_S never gives way: a probe accepted before its bytes came is
+idle for a moment, and was the one closed.
 
 Whoever is turned away, or closed to make room, is told so after a pause (PACE_S), holding
 no place meanwhile: clients that reconnect the moment they are answered (hundreds of them,
@@ -49,14 +49,16 @@ from services.runtime.edge.read_turns import READ_AT_ONCE_BYTES
 LINGER_S = 1.0
 PACE_S = (0.5, 1.0)     # a refusal's 503 is written after this long (uniform: reconnects do not come in waves)
 STALLED_BODY_S = 1.0   # a body owed by its client with nothing for this long may make room
-FRESH_S = 1.0          # idle (or a head arriving) for less: made room only after stalled bodies
+FRESH_S = 1.0          # idle (or a head arriving) for less: never closed to make room
 STALLED_SCAN = 32      # bodies looked at for one newcomer (those the service holds back go last)
 QUICK_OVERFLOW = 1 / 8  # of the limit: newcomers with a whole request taken beyond it (at least 8)
 OVERFLOW = 2            # make_room's answer for a newcomer taken beyond the limit (True: within it)
 PROBE_RESERVE = 8       # beyond the overflow, for probes only: clients' own whole requests filled it
 WHOLE, PROBE = 1, 2     # what quick() may say of a newcomer's bytes (0: not a whole request)
 PROBE_TARGETS = frozenset({b"/healthz", b"/readyz"})
-MAX_LINGERING = 1024
+PACED_PER_PLACE = 2      # refusals waiting (or lingering) at once, and connections told after making room, each
+                         # up to this many times max_connections: beyond, at once (1500 reconnecting clients
+                         # against 512 places went past a bound of 1024 and came back at loop speed)
 _lingering = [0]  # refused connections still draining, across the process (event loop thread only)
 
 
@@ -80,7 +82,8 @@ class ConnectionRoom:
         """Before a newcomer is accepted (``open_now`` connections are open, ``now`` on the
         loop's clock): True when it may stay, after closing, if the port is full, the longest
         idle connection (or failing that, the oldest arriving head) of those so for FRESH_S,
-        else a stalled body, else the longest idle or oldest head however fresh; or when
+        else a stalled body (one idle or arriving for less is never closed: it may be a probe
+        accepted before its bytes came); or when
         ``quick()`` says it sent a whole request (WHOLE, or PROBE: a GET of a probe's path,
         which may also take the PROBE_RESERVE beyond) and the overflow has room (then OVERFLOW: the
         connection serves that request only); False when every connection has a request in
@@ -91,8 +94,7 @@ class ConnectionRoom:
         # arriving: it moves on, once, and the next idle one is looked at
         while self._idle and has_bytes_waiting(getattr(first := next(iter(self._idle)), "transport", None)):
             self.arriving(first)
-        victim = (self._settled(self._idle, now) or self._settled(self._arriving, now) or self._stalled_body(now)
-                  or next(iter(self._idle or self._arriving), None))
+        victim = self._settled(self._idle, now) or self._settled(self._arriving, now) or self._stalled_body(now)
         if victim is None:
             overflow = max(8, int(self.limit * QUICK_OVERFLOW))
             if open_now - len(self._leaving) >= self.limit + overflow + PROBE_RESERVE:
@@ -111,7 +113,7 @@ class ConnectionRoom:
         """The first of ``pool`` (the longest idle, or the oldest head) if it has been so for
         FRESH_S: a connection just accepted is idle until its request is read, and under a
         flood of reconnects a probe's was the one closed (the chain of evictions took the
-        idle one first); it gives way only after stalled bodies."""
+        idle one first)."""
         first = next(iter(pool), None)
         return first if first is not None and now - pool[first] >= FRESH_S else None
 
@@ -216,7 +218,7 @@ class RefusedNewcomer:
     limit, as it would have been had its bytes come first. Then the 503, a half-close, and a
     lingering close (what the client sends is dropped; closed on its EOF or after LINGER_S):
     closing with unread data sends a reset that destroys the 503 before the client reads it.
-    Bounded: past MAX_LINGERING (or the connection limit) refused connections waiting or
+    Bounded: past PACED_PER_PLACE x the connection limit refused connections waiting or
     lingering at once, the next one is answered and closed at once."""
 
     __slots__ = ("_loop", "_transport", "_limit", "_timer", "_counted", "_seen", "_take_late", "_answered")
@@ -229,7 +231,7 @@ class RefusedNewcomer:
         self._seen = b""
         self._take_late = take_late
         self._answered = False
-        if _lingering[0] >= min(MAX_LINGERING, limit) or not transport.can_write_eof():
+        if _lingering[0] >= PACED_PER_PLACE * limit or not transport.can_write_eof():
             self._answered = True
             transport.write(too_many_connections(limit))
             transport.close()
@@ -253,16 +255,27 @@ class RefusedNewcomer:
         if whole_request(self._seen) and self._take_late(self._seen):
             self.gone()
 
+    def waits_with(self) -> int:
+        """request_kind of what it sent, while it waits for its 503 (0 once answered)."""
+        return 0 if self._answered or self._take_late is None else request_kind(self._seen)
+
+    def offer(self) -> bool:
+        """A place came free: take it, if its whole request is in. Whether it did."""
+        if self.waits_with() and not self._transport.is_closing() and self._take_late(self._seen):
+            self.gone()
+            return True
+        return False
+
     def _answer(self) -> None:
         self._timer = None
-        if self._take_late is not None and whole_request(self._seen) and self._take_late(self._seen):
-            self.gone()  # a place came free while it waited
+        transport = self._transport
+        if transport.is_closing():
+            self._answered = True
+            return
+        if self.offer():  # a place came free while it waited
             return
         self._answered = True
         self._seen = b""
-        transport = self._transport
-        if transport.is_closing():
-            return
         transport.write(too_many_connections(self._limit))
         try:
             transport.write_eof()
@@ -275,8 +288,11 @@ class RefusedNewcomer:
     def client_closed(self) -> None:
         """The client shut its side: it may still read, so it gets its answer now."""
         if not self._answered and not self._transport.is_closing():
-            self._answered = True
             self._transport.write(too_many_connections(self._limit))
+        self._answered = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self._transport.close()
 
     def gone(self) -> None:

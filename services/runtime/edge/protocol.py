@@ -44,6 +44,8 @@ from services.runtime.edge.connection_limits import ConnectionLimits, Connection
 from services.runtime.edge.connection_room import (
     OVERFLOW,
     PACE_S,
+    PACED_PER_PLACE,
+    PROBE,
     ConnectionRoom,
     RefusedNewcomer,
     request_kind,
@@ -79,11 +81,26 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
     turns = ReadTurns(stats)
     starts = StartTurns(stats)
     leaving_paced = [0]  # connections that made room, waiting to be told and closed
+    # refused newcomers whose whole request is in, waiting for their 503: the next place that
+    # comes free is offered to the oldest (probes first), not only when their 503 is due
+    waiting_probes: dict[Any, None] = {}
+    waiting_whole: dict[Any, None] = {}
+
+    def offer_place() -> None:
+        for waiting in (waiting_probes, waiting_whole):
+            while waiting:
+                conn = next(iter(waiting))
+                del waiting[conn]
+                refused = conn._refused
+                if refused is not None and refused.waits_with():
+                    refused.offer()
+                    return  # taken, or no place after all: either way one offer per place
 
     def too_large(what: str) -> Refusal:
         return Refusal(431, "headers_too_large", what, "headers_too_large")
 
     class GuardedHttpProtocol(HttpToolsProtocol):
+        pace_s = PACE_S  # how long a refusal or a connection that made room waits to be told
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
             self._refused: RefusedNewcomer | None = None
@@ -117,7 +134,8 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 stats.refused += 1
                 self.transport = transport
                 self._broken = True  # never parsed, whatever happens to its refusal
-                self._refused = RefusedNewcomer(self.loop, transport, limits.max_connections, self._take_late)
+                self._refused = RefusedNewcomer(self.loop, transport, limits.max_connections, self._take_late,
+                                                pace_s=random.uniform(*self.pace_s))
                 return
             self._admit(transport, admitted is OVERFLOW)
 
@@ -172,13 +190,14 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._disarm()
 
             def leave() -> None:
-                if arriving and not self.transport.is_closing():
+                # a request that came while it waited (its reading paused) is told why, not dropped
+                if not self.transport.is_closing() and (arriving or has_bytes_waiting(self.transport)):
                     self.transport.write(too_many_connections(limits.max_connections))
                 self.transport.close()
             self._leave_later(leave)
 
         def _leave_later(self, leave) -> None:
-            if leaving_paced[0] >= limits.max_connections or self.transport.is_closing():
+            if leaving_paced[0] >= PACED_PER_PLACE * limits.max_connections or self.transport.is_closing():
                 leave()  # a bound on descriptors held for that: at once beyond it
                 return
             leaving_paced[0] += 1
@@ -188,7 +207,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 self._leave_timer = None
                 leaving_paced[0] -= 1
                 leave()
-            self._leave_timer = self.loop.call_later(random.uniform(*PACE_S), now)
+            self._leave_timer = self.loop.call_later(random.uniform(*self.pace_s), now)
 
         def _update_room(self) -> None:
             if self._broken or self.transport.is_closing():
@@ -224,6 +243,8 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 leaving_paced[0] -= 1
             room.gone(self)
             if self._refused is not None:
+                waiting_probes.pop(self, None)
+                waiting_whole.pop(self, None)
                 self._refused.gone()
                 self.parser = None  # never used; it holds this protocol's callbacks
                 self._let_go()
@@ -240,6 +261,8 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                     linger.adopt(self.loop, sock)
             super().connection_lost(exc)
             self._let_go()
+            if waiting_probes or waiting_whole:
+                offer_place()
 
         def _let_go(self) -> None:
             """Break the reference cycles a connection is made of (its watchers' callbacks
@@ -314,6 +337,9 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
         def data_received(self, data: bytes) -> None:
             if self._refused is not None:
                 self._refused.data_received(data)
+                kind = self._refused.waits_with() if self._refused is not None else 0
+                if kind:
+                    (waiting_probes if kind == PROBE else waiting_whole)[self] = None
                 return
             if self._broken:
                 return  # drained and dropped: an error is on its way
