@@ -220,9 +220,10 @@ def test_a_newcomer_is_refused_only_when_every_connection_has_a_request_in_progr
     sending = threading.Event()
 
     def keep_sending() -> None:  # a byte of each body every 0.2 s: none of them stalls
-        while sending.wait(0.2):
+        while sending.is_set():
             for s in uploads:
                 s.send(b"\x00")
+            time.sleep(0.2)
 
     trickle = threading.Thread(target=keep_sending, daemon=True)
     try:
@@ -233,7 +234,7 @@ def test_a_newcomer_is_refused_only_when_every_connection_has_a_request_in_progr
             uploads.append(s)
         sending.set()
         trickle.start()
-        time.sleep(1.5)  # past STALLED_BODY_S: they are not stalled, they are sending
+        time.sleep(1.2)  # past STALLED_BODY_S: they are not stalled, they are sending (body deadline: 4 s)
         t0 = time.monotonic()
         with socket.create_connection(("127.0.0.1", svc.port)) as s:  # its body is still to come
             s.sendall(b"POST /api/v1/echo HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
@@ -244,19 +245,24 @@ def test_a_newcomer_is_refused_only_when_every_connection_has_a_request_in_progr
         assert time.monotonic() - t0 >= PACE_S[0], time.monotonic() - t0
         # a newcomer whose whole request is in when it is accepted (a probe, a small upload) is
         # answered beyond the limit, then closed; so is one whose request comes after it was
-        # accepted (refused, its 503 waits a moment, and the request arrives meanwhile)
-        for late in (0.0, 0.3):
+        # accepted (refused, its 503 waits a moment, and the request arrives meanwhile): a
+        # GET /healthz is then answered at the door, needing no place, another is taken late
+        at_door, late_taken = (_metric(svc, "onecard_probes_answered_at_the_door_total"),
+                               _metric(svc, "onecard_connections_taken_late_total"))
+        for late, request in ((0.0, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"),
+                              (0.15, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"),
+                              (0.15, b"GET /wait?s=0 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")):
             t0 = time.monotonic()
             with socket.create_connection(("127.0.0.1", svc.port)) as s:
                 time.sleep(late)  # accepted (and refused) before its bytes came
-                # kept alive, it asks; the late one says close (a place may have come free meanwhile)
-                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + (b"Connection: close\r\n" if late else b"")
-                          + b"\r\n")
+                s.sendall(request)  # a probe does not say close: it is closed after its answer anyway
                 answer = _read_until_closed(s, 5)
-            assert answer.startswith(b"HTTP/1.1 200"), (late, answer)
-            # beyond the limit it serves that request only (taken late, a place may have come free)
-            assert late or b"connection: close" in answer.lower(), answer
-            print(f"probe {late} s late answered in {time.monotonic() - t0:.3f} s")
+            assert answer.startswith(b"HTTP/1.1 200") and b"connection: close" in answer.lower(), (late, answer)
+            if b"healthz" in request:  # the route's own document and instance header, wherever answered
+                assert b'"status":"ok"' in answer and f"x-onecard-instance: {svc.instance}".encode() in answer, answer
+            print(f"{request[:12]!r} {late} s late answered in {time.monotonic() - t0:.3f} s")
+        assert _metric(svc, "onecard_probes_answered_at_the_door_total") >= at_door + 1
+        assert _metric(svc, "onecard_connections_taken_late_total") >= late_taken + 1
         sending.clear()
         trickle.join()
         for s in uploads:  # untouched: nobody made room by answering or closing an upload
@@ -274,7 +280,6 @@ def test_a_newcomer_is_refused_only_when_every_connection_has_a_request_in_progr
             s.close()
     time.sleep(0.3)
     assert _metric(svc, "onecard_connections_refused_total") >= refused_before + 1
-    assert _metric(svc, "onecard_connections_taken_late_total") >= 1
     assert httpx.post(svc.url + "/api/v1/echo?id=after-uploads", content=PNG,
                       headers={"content-type": "image/png"}).status_code == 200
 

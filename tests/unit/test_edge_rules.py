@@ -720,3 +720,25 @@ def test_every_pool_of_descriptors_fits_under_the_descriptor_limit():
         overflow = max(8, int(limit * QUICK_OVERFLOW)) + PROBE_RESERVE
         total = limit + overflow + 2 * PACED_PER_PLACE * limit + limit + limit
         assert total + 64 <= fds or limit == 16, (fds, limit, total)
+
+
+def test_past_the_bound_the_refusal_waiting_longest_is_answered_and_the_newcomer_waits():
+    """A newcomer refused at once had no time to send its request (a probe among hundreds of
+    reconnecting clients got an instant 503): past PACED_PER_PLACE x the limit, the oldest
+    waiting refusal is answered early instead."""
+    from services.runtime.edge import connection_room
+    from services.runtime.edge.connection_room import PACED_PER_PLACE, RefusedNewcomer
+
+    loop, before = FakeLoop(), connection_room._lingering[0]
+    assert before == 0, before  # nothing left over by other tests
+    first, second, third = HeldTransport(), HeldTransport(), HeldTransport()
+    refused = [RefusedNewcomer(loop, t, 1, take_late=lambda data: False, pace_s=1.0) for t in (first, second)]
+    assert PACED_PER_PLACE * 1 == 2 and first.written == b"" == second.written
+    refused.append(RefusedNewcomer(loop, third, 1, take_late=lambda data: False, pace_s=1.0))
+    assert b"too_many_connections" in first.written and first.eof  # answered early, lingering
+    assert second.written == b"" and third.written == b""          # still waiting for their bytes
+    loop.advance(1.1)
+    assert b"too_many_connections" in second.written and b"too_many_connections" in third.written
+    for r in refused:
+        r.gone()
+    assert connection_room._lingering[0] == before and not connection_room._waiting

@@ -59,7 +59,8 @@ PROBE_TARGETS = frozenset({b"/healthz", b"/readyz"})
 PACED_PER_PLACE = 2      # refusals waiting (or lingering) at once, and connections told after making room, each
                          # up to this many times max_connections: beyond, at once (1500 reconnecting clients
                          # against 512 places went past a bound of 1024 and came back at loop speed)
-_lingering = [0]  # refused connections still draining, across the process (event loop thread only)
+_lingering = [0]  # refused connections waiting or draining, across the process (event loop thread only)
+_waiting: dict[RefusedNewcomer, None] = {}  # refused connections whose 503 is still to come, oldest first
 
 
 class Evictable(Protocol):
@@ -221,17 +222,28 @@ class RefusedNewcomer:
     Bounded: past PACED_PER_PLACE x the connection limit refused connections waiting or
     lingering at once, the next one is answered and closed at once."""
 
-    __slots__ = ("_loop", "_transport", "_limit", "_timer", "_counted", "_seen", "_take_late", "_answered")
+    __slots__ = ("_loop", "_transport", "_limit", "_timer", "_counted", "_seen", "_take_late", "_answered",
+                 "_answer_probe")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport, limit: int,
-                 take_late: Callable[[bytes], bool] | None = None, pace_s: float | None = None):
+                 take_late: Callable[[bytes], bool] | None = None, pace_s: float | None = None,
+                 answer_probe: Callable[[bytes], bytes | None] | None = None, probe_waiting: bool = False):
         self._loop, self._transport, self._limit = loop, transport, limit
         self._timer: asyncio.TimerHandle | None = None
         self._counted = False
         self._seen = b""
         self._take_late = take_late
+        self._answer_probe = answer_probe  # a whole GET /healthz is answered here, needing no place
         self._answered = False
-        if _lingering[0] >= PACED_PER_PLACE * limit or not transport.can_write_eof():
+        # past the bound, the refusal waiting longest is answered now and this one waits in its
+        # stead (a newcomer refused at once had no time to send its request: a probe among
+        # hundreds of reconnecting clients got an instant 503); a probe whose request is in
+        # (answered at the door at its first read) may go past, up to as many again
+        bound = PACED_PER_PLACE * limit
+        if _lingering[0] >= bound and _waiting:
+            next(iter(_waiting))._answer()
+        hard = bound * (2 if probe_waiting and answer_probe is not None else 1) + bound
+        if _lingering[0] >= hard or not transport.can_write_eof():
             self._answered = True
             transport.write(too_many_connections(limit))
             transport.close()
@@ -241,6 +253,7 @@ class RefusedNewcomer:
         if pace_s is None:
             pace_s = random.uniform(*PACE_S)
         self._timer = loop.call_later(pace_s, self._answer)
+        _waiting[self] = None
 
     def data_received(self, data: bytes) -> None:
         """Bytes from the client: dropped once answered; while it waits, a whole request
@@ -252,7 +265,12 @@ class RefusedNewcomer:
             self._seen, self._take_late = b"", None
             self._transport.pause_reading()
             return
-        if whole_request(self._seen) and self._take_late(self._seen):
+        if not whole_request(self._seen):
+            return
+        reply = self._answer_probe(self._seen) if self._answer_probe is not None else None
+        if reply is not None:
+            self._write_and_linger(reply)
+        elif self._take_late(self._seen):
             self.gone()
 
     def waits_with(self) -> int:
@@ -267,16 +285,27 @@ class RefusedNewcomer:
         return False
 
     def _answer(self) -> None:
+        if self._timer is not None:  # answered early, to make room for a newer refusal
+            self._timer.cancel()
         self._timer = None
+        _waiting.pop(self, None)
         transport = self._transport
         if transport.is_closing():
             self._answered = True
             return
         if self.offer():  # a place came free while it waited
             return
+        self._write_and_linger(too_many_connections(self._limit))
+
+    def _write_and_linger(self, answer: bytes) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        _waiting.pop(self, None)
         self._answered = True
         self._seen = b""
-        transport.write(too_many_connections(self._limit))
+        transport = self._transport
+        transport.write(answer)
         try:
             transport.write_eof()
         except OSError:  # the client reset the connection: nothing to linger for
@@ -290,6 +319,7 @@ class RefusedNewcomer:
         if not self._answered and not self._transport.is_closing():
             self._transport.write(too_many_connections(self._limit))
         self._answered = True
+        _waiting.pop(self, None)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -297,6 +327,7 @@ class RefusedNewcomer:
 
     def gone(self) -> None:
         """Its connection is lost, or it was taken after all: nothing more to do."""
+        _waiting.pop(self, None)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -26,6 +26,8 @@ class EdgeCollector:
                 ("onecard_connections_taken_late", self.stats.taken_late,
                  "Newcomers refused at max_connections whose whole request arrived while their 503 waited, "
                  "then taken beyond the limit after all."),
+                ("onecard_probes_answered_at_the_door", self.stats.probes_at_the_door,
+                 "GET /healthz of newcomers refused at max_connections, answered at once without a place."),
                 ("onecard_bodies_too_slow", self.stats.bodies_too_slow,
                  "Request bodies cut for arriving under min_body_rate_bytes_s (408)."),
                 ("onecard_bodies_too_fragmented", self.stats.bodies_too_fragmented,

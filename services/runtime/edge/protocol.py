@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 from typing import Any
 
 import httptools
@@ -72,8 +73,11 @@ def sent_whole_request(transport: asyncio.Transport) -> int:
 
 
 def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = ConnectionStats,
-                     linger: KernelQueueLinger | None = None) -> type:
-    """A protocol class for uvicorn's ``http=`` setting, bound to these limits."""
+                     linger: KernelQueueLinger | None = None,
+                     probe_answer: Callable[[bytes], bytes | None] | None = None) -> type:
+    """A protocol class for uvicorn's ``http=`` setting, bound to these limits.
+    ``probe_answer``: the whole answer to a probe's request (or None for any other) that a
+    newcomer refused at max_connections gets at once, needing no place."""
     if linger is None:
         linger = KernelQueueLinger(limits.send_timeout_s, limits.max_connections)
     room = ConnectionRoom(limits.max_connections)
@@ -134,8 +138,10 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 stats.refused += 1
                 self.transport = transport
                 self._broken = True  # never parsed, whatever happens to its refusal
-                self._refused = RefusedNewcomer(self.loop, transport, limits.max_connections, self._take_late,
-                                                pace_s=random.uniform(*self.pace_s))
+                self._refused = RefusedNewcomer(
+                    self.loop, transport, limits.max_connections, self._take_late, pace_s=random.uniform(*self.pace_s),
+                    answer_probe=None if probe_answer is None else self._answer_probe,
+                    probe_waiting=probe_answer is not None and sent_whole_request(transport) == PROBE)
                 return
             self._admit(transport, admitted is OVERFLOW)
 
@@ -150,6 +156,13 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._update_receive_deadline()
             if read_now:
                 read_at_once(transport)
+
+        def _answer_probe(self, request: bytes) -> bytes | None:
+            answer = probe_answer(request)
+            if answer is not None:
+                stats.refused -= 1
+                stats.probes_at_the_door += 1
+            return answer
 
         def _take_late(self, request: bytes) -> bool:
             """A refused newcomer's whole request came after its connection was accepted (a

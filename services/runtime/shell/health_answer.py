@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 if TYPE_CHECKING:
     from services.runtime.shell.app import ServiceShell
@@ -47,3 +48,22 @@ class HealthAnswer:
         if self.instance is not None:  # where ShellMiddleware puts it on the route's answer
             answer.raw_headers.append((b"x-onecard-instance", self.instance))
         await answer(scope, receive, send)
+
+
+def health_at_the_door(shell: ServiceShell):
+    """For the edge (services.runtime.edge.protocol): the whole HTTP answer to a ``GET /healthz``
+    from a newcomer refused because every connection is taken, or None for any other
+    request. The same document as the route's, and the connection closes after it: a probe
+    needs no place and no app, so clients holding every place (and the overflow) cannot
+    turn the probes away."""
+    instance = b"x-onecard-instance: " + shell.instance.encode("latin-1") + b"\r\n" if shell.instance else b""
+
+    def answer(request: bytes) -> bytes | None:
+        line = request[:request.find(b"\r\n")].split(b" ")
+        if len(line) != 3 or line[0] != b"GET" or line[1] != PATH.encode():
+            return None
+        status, doc = shell.health()
+        body = JSONResponse(doc, status_code=status).body
+        return (STATUS_LINE[status] + b"content-type: application/json\r\ncontent-length: "
+                + str(len(body)).encode() + b"\r\nconnection: close\r\n" + instance + b"\r\n" + body)
+    return answer

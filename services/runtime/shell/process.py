@@ -180,7 +180,7 @@ def main() -> int:
     from services.runtime.edge.metrics import EdgeCollector
     from services.runtime.edge.protocol import ConnectionStats, guarded_protocol
     from services.runtime.edge.send_deadline import KernelQueueLinger
-    from services.runtime.shell.health_answer import answering_ahead
+    from services.runtime.shell.health_answer import HealthAnswer, answering_ahead, health_at_the_door
 
     fds = raise_open_files_limit()
     shell = getattr(getattr(app, "state", None), "shell", None)
@@ -202,7 +202,9 @@ def main() -> int:
         timeout_graceful_shutdown=drain_s,
         timeout_keep_alive=getattr(settings, "keepalive_timeout_s", 5.0),
         lifespan="on",
-        http=guarded_protocol(limits, linger=linger),
+        # answered at the door only where the route is answered ahead too (no middleware of the service's own)
+        http=guarded_protocol(limits, linger=linger,
+                              probe_answer=health_at_the_door(shell) if isinstance(app, HealthAnswer) else None),
         ws="none",  # no route takes a WebSocket; an installed library must not bypass the guarded protocol
         backlog=min(2048, limits.max_connections * 2),
     )
