@@ -718,7 +718,7 @@ def test_every_pool_of_descriptors_fits_under_the_descriptor_limit():
     for fds in (256, 1024, 4096, 65536):
         limit = limits_from_settings(ServiceSettings(max_connections=1_000_000), fds=fds).max_connections
         overflow = max(8, int(limit * QUICK_OVERFLOW)) + PROBE_RESERVE
-        total = limit + overflow + 2 * PACED_PER_PLACE * limit + limit + limit
+        total = limit + overflow + 2 * PACED_PER_PLACE * limit + PACED_PER_PLACE * limit + limit + limit
         assert total + 64 <= fds or limit == 16, (fds, limit, total)
 
 

@@ -72,8 +72,8 @@ def limits_from_settings(settings, fds: int) -> ConnectionLimits:
     values = {name: getattr(settings, name, getattr(defaults, name))
               for name in ConnectionLimits.__dataclass_fields__}
     # open connections (and the eighth beyond them that whole requests may take, and the
-    # probes' reserve), twice as many refusals waiting or lingering, twice as many connections
-    # told after making room, as many lingering closes and as many unread answers draining
-    # from the kernel must all fit under the descriptor limit
-    values["max_connections"] = min(values["max_connections"], max(16, (fds - 80) // 8))
+    # probes' reserve), up to four times as many refusals waiting or lingering, twice as many
+    # connections told after making room, as many lingering closes and as many unread answers
+    # draining from the kernel must all fit under the descriptor limit
+    values["max_connections"] = min(values["max_connections"], max(16, (fds - 80) // 10))
     return ConnectionLimits(**values)

@@ -220,14 +220,15 @@ class RefusedNewcomer:
     lingering close (what the client sends is dropped; closed on its EOF or after LINGER_S):
     closing with unread data sends a reset that destroys the 503 before the client reads it.
     Bounded: past PACED_PER_PLACE x the connection limit refused connections waiting or
-    lingering at once, the next one is answered and closed at once."""
+    lingering at once, the one waiting longest is answered early; past twice that, the next
+    one is answered and closed at once."""
 
     __slots__ = ("_loop", "_transport", "_limit", "_timer", "_counted", "_seen", "_take_late", "_answered",
                  "_answer_probe")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport, limit: int,
                  take_late: Callable[[bytes], bool] | None = None, pace_s: float | None = None,
-                 answer_probe: Callable[[bytes], bytes | None] | None = None, probe_waiting: bool = False):
+                 answer_probe: Callable[[bytes], bytes | None] | None = None):
         self._loop, self._transport, self._limit = loop, transport, limit
         self._timer: asyncio.TimerHandle | None = None
         self._counted = False
@@ -237,13 +238,12 @@ class RefusedNewcomer:
         self._answered = False
         # past the bound, the refusal waiting longest is answered now and this one waits in its
         # stead (a newcomer refused at once had no time to send its request: a probe among
-        # hundreds of reconnecting clients got an instant 503); a probe whose request is in
-        # (answered at the door at its first read) may go past, up to as many again
+        # hundreds of reconnecting clients got an instant 503); those answered early linger
+        # until their clients close, so the count may pass the bound, up to twice it
         bound = PACED_PER_PLACE * limit
         if _lingering[0] >= bound and _waiting:
             next(iter(_waiting))._answer()
-        hard = bound * (2 if probe_waiting and answer_probe is not None else 1) + bound
-        if _lingering[0] >= hard or not transport.can_write_eof():
+        if _lingering[0] >= 2 * bound or not transport.can_write_eof():
             self._answered = True
             transport.write(too_many_connections(limit))
             transport.close()

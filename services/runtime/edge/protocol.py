@@ -140,8 +140,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 self._broken = True  # never parsed, whatever happens to its refusal
                 self._refused = RefusedNewcomer(
                     self.loop, transport, limits.max_connections, self._take_late, pace_s=random.uniform(*self.pace_s),
-                    answer_probe=None if probe_answer is None else self._answer_probe,
-                    probe_waiting=probe_answer is not None and sent_whole_request(transport) == PROBE)
+                    answer_probe=None if probe_answer is None else self._answer_probe)
                 return
             self._admit(transport, admitted is OVERFLOW)
 
@@ -255,9 +254,9 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 self._leave_timer = None
                 leaving_paced[0] -= 1
             room.gone(self)
+            waiting_probes.pop(self, None)
+            waiting_whole.pop(self, None)
             if self._refused is not None:
-                waiting_probes.pop(self, None)
-                waiting_whole.pop(self, None)
                 self._refused.gone()
                 self.parser = None  # never used; it holds this protocol's callbacks
                 self._let_go()
