@@ -179,3 +179,42 @@ def test_a_request_sent_while_its_connection_waits_to_be_closed_is_told_why():
         srv.should_exit = True
         thread.join(10)
         assert not thread.is_alive()
+
+
+def test_a_kept_alive_connection_that_makes_room_closes_at_once_and_its_pool_reconnects():
+    """A real client library's pool (requests/urllib3) checks whether an idle connection was
+    closed before reusing it: one closed to make room must close at once (not after the pause
+    that slows silent holders down), so that the pool opens a new one instead of sending its
+    request into a connection about to close."""
+    import requests
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    protocol = guarded_protocol(ConnectionLimits(max_connections=4))
+    protocol.pace_s = (2.0, 2.0)
+    srv = uvicorn.Server(uvicorn.Config(create_app({}), host="127.0.0.1", port=port, log_level="error",
+                                        lifespan="on", http=protocol, timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    silent: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 10
+        while not srv.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with requests.Session() as client:
+            assert client.get(f"http://127.0.0.1:{port}/wait?s=0", timeout=5).status_code == 200
+            for _ in range(3):  # the rest of the port: connections that send nothing
+                silent.append(socket.create_connection(("127.0.0.1", port)))
+            time.sleep(1.2)  # all idle past FRESH_S; the client's the longest
+            probe = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            assert _ask(port, probe).startswith(b"HTTP/1.1 200")  # the client's connection made room
+            time.sleep(0.1)
+            again = client.get(f"http://127.0.0.1:{port}/wait?s=0", timeout=5)
+            assert again.status_code == 200, again.text
+    finally:
+        for s in silent:
+            s.close()
+        srv.should_exit = True
+        thread.join(10)
+        assert not thread.is_alive()

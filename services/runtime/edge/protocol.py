@@ -182,7 +182,8 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             503 when a head was arriving, a 408 when its body had stalled. Its place is the
             newcomer's at once, but it is told (and closed) after a pause, as a refusal is:
             evicted clients that reconnect at once took each other's places in a chain as
-            fast as the loop could go, and the probes queued behind them."""
+            fast as the loop could go, and the probes queued behind them. One kept alive
+            between requests is closed at once (a client's pool sees the close)."""
             stats.evicted += 1
             self._gave_way = True
             if self._phase == BODY and not self._broken:
@@ -206,6 +207,11 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 if not self.transport.is_closing() and (arriving or has_bytes_waiting(self.transport)):
                     self.transport.write(too_many_connections(limits.max_connections))
                 self.transport.close()
+            if self._message_no and not arriving:
+                # kept alive between requests: a client's pool checks for a close before reusing
+                # it, and opens a new connection; closed after a pause it got 503 instead
+                leave()
+                return
             self._leave_later(leave)
 
         def _leave_later(self, leave) -> None:
