@@ -742,3 +742,60 @@ def test_past_the_bound_the_refusal_waiting_longest_is_answered_and_the_newcomer
     for r in refused:
         r.gone()
     assert connection_room._lingering[0] == before and not connection_room._waiting
+
+
+class SocketHeldTransport(HeldTransport):
+    """A HeldTransport over a real socket (what a peek at its unread bytes reads)."""
+
+    def __init__(self, sock):
+        super().__init__()
+        self.sock = sock
+
+    def get_extra_info(self, name: str):
+        return self.sock if name == "socket" else None
+
+
+def test_a_refusal_answered_early_with_a_probe_still_unread_gets_the_door_answer():
+    """Answered early to make room for a newer refusal, the oldest one's GET /healthz may be in
+    its socket, not read yet: it gets the door's answer, not a 503 (a probe among hundreds of
+    refusals got 503 that way)."""
+    import socket
+
+    from services.runtime.edge import connection_room
+    from services.runtime.edge.connection_room import RefusedNewcomer
+
+    loop, before = FakeLoop(), connection_room._lingering[0]
+    ours, theirs = socket.socketpair()
+    try:
+        theirs.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # in its socket, not read
+        door = lambda request: b"DOOR " + request.split(b" ")[1]  # noqa: E731
+        oldest = SocketHeldTransport(ours)
+        refused = [RefusedNewcomer(loop, oldest, 1, take_late=lambda data: False, pace_s=1.0, answer_probe=door)]
+        refused += [RefusedNewcomer(loop, t, 1, take_late=lambda data: False, pace_s=1.0, answer_probe=door)
+                    for t in (HeldTransport(), HeldTransport())]
+        assert oldest.written == b"DOOR /healthz" and oldest.eof  # answered early, at the door
+        for r in refused:
+            r.gone()
+        assert connection_room._lingering[0] == before
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_the_door_answers_only_a_plain_get_of_healthz_and_never_raises():
+    from types import SimpleNamespace
+
+    from services.runtime.shell.health_answer import health_at_the_door
+
+    shell = SimpleNamespace(instance="tok\r\nset-cookie: x=1", health=lambda: (200, {"status": "ok"}))
+    door = health_at_the_door(shell)
+    answer = door(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"status":"ok"}')
+    assert b"set-cookie" not in answer.split(b"\r\n\r\n")[0]  # a value with a line break is left out
+    assert door(b"GET /healthz FOO/9\r\n\r\n") is None and door(b"HEAD /healthz HTTP/1.1\r\n\r\n") is None
+    assert door(b"GET /healthz?x=1 HTTP/1.1\r\n\r\n") is None
+
+    def broken():
+        raise RuntimeError("the part cannot say")
+    assert health_at_the_door(SimpleNamespace(instance="", health=broken))(
+        b"GET /healthz HTTP/1.1\r\n\r\n") is None  # refused as any other; the route answers it

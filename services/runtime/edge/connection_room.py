@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from common.socket_queues import has_bytes_waiting
+from common.socket_queues import has_bytes_waiting, waiting_bytes
 from services.runtime.edge.connection_limits import error_bytes
 from services.runtime.edge.read_turns import READ_AT_ONCE_BYTES
 
@@ -245,8 +245,13 @@ class RefusedNewcomer:
             next(iter(_waiting))._answer()
         if _lingering[0] >= 2 * bound or not transport.can_write_eof():
             self._answered = True
-            transport.write(too_many_connections(limit))
-            transport.close()
+            door = self._probe_in_socket()
+            transport.write(door or too_many_connections(limit))
+            if door is not None and transport.can_write_eof():
+                transport.write_eof()  # its request is read and dropped before the close (no reset)
+                loop.call_later(LINGER_S, transport.close)
+            else:
+                transport.close()
             return
         _lingering[0] += 1
         self._counted = True
@@ -254,6 +259,17 @@ class RefusedNewcomer:
             pace_s = random.uniform(*PACE_S)
         self._timer = loop.call_later(pace_s, self._answer)
         _waiting[self] = None
+
+    def _probe_in_socket(self) -> bytes | None:
+        """The door's answer to a whole GET /healthz already in the socket, not read yet."""
+        if self._answer_probe is None:
+            return None
+        try:
+            fd = self._transport.get_extra_info("socket").fileno()
+        except (OSError, AttributeError, ValueError):
+            return None
+        data = waiting_bytes(fd, READ_AT_ONCE_BYTES)
+        return self._answer_probe(data) if request_kind(data) == PROBE else None
 
     def data_received(self, data: bytes) -> None:
         """Bytes from the client: dropped once answered; while it waits, a whole request
@@ -295,7 +311,9 @@ class RefusedNewcomer:
             return
         if self.offer():  # a place came free while it waited
             return
-        self._write_and_linger(too_many_connections(self._limit))
+        # answered early, its request may be in the socket still, not read yet
+        door = self._probe_in_socket() if not self._seen else None
+        self._write_and_linger(door or too_many_connections(self._limit))
 
     def _write_and_linger(self, answer: bytes) -> None:
         if self._timer is not None:

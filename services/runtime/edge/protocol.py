@@ -94,11 +94,14 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
         for waiting in (waiting_probes, waiting_whole):
             while waiting:
                 conn = next(iter(waiting))
-                del waiting[conn]
                 refused = conn._refused
-                if refused is not None and refused.waits_with():
-                    refused.offer()
-                    return  # taken, or no place after all: either way one offer per place
+                if refused is None or not refused.waits_with():
+                    del waiting[conn]  # answered, taken or gone meanwhile
+                    continue
+                if refused.offer():
+                    del waiting[conn]
+                    return
+                break  # no place for this kind (a probe's reserve came free, say): it keeps its turn
 
     def too_large(what: str) -> Refusal:
         return Refusal(431, "headers_too_large", what, "headers_too_large")

@@ -56,14 +56,21 @@ def health_at_the_door(shell: ServiceShell):
     request. The same document as the route's, and the connection closes after it: a probe
     needs no place and no app, so clients holding every place (and the overflow) cannot
     turn the probes away."""
-    instance = b"x-onecard-instance: " + shell.instance.encode("latin-1") + b"\r\n" if shell.instance else b""
+    token = shell.instance or ""
+    # as uvicorn does for the route's headers: no line breaks in a value
+    instance = b"x-onecard-instance: " + token.encode("latin-1") + b"\r\n" \
+        if token and not any(c in token for c in "\r\n\0") else b""
 
     def answer(request: bytes) -> bytes | None:
         line = request[:request.find(b"\r\n")].split(b" ")
-        if len(line) != 3 or line[0] != b"GET" or line[1] != PATH.encode():
+        if len(line) != 3 or line[0] != b"GET" or line[1] != PATH.encode() or line[2] not in (b"HTTP/1.1",
+                                                                                              b"HTTP/1.0"):
             return None
-        status, doc = shell.health()
-        body = JSONResponse(doc, status_code=status).body
+        try:
+            status, doc = shell.health()
+            body = JSONResponse(doc, status_code=status).body
+        except Exception:  # noqa: BLE001 - the route answers it in the envelope; here it is refused as any other
+            return None
         return (STATUS_LINE[status] + b"content-type: application/json\r\ncontent-length: "
                 + str(len(body)).encode() + b"\r\nconnection: close\r\n" + instance + b"\r\n" + body)
     return answer
