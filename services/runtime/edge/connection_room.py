@@ -175,6 +175,16 @@ class ConnectionRoom:
                 "leaving": len(self._leaving)}
 
 
+def request_waiting(transport: Any) -> bytes:
+    """What the client has sent and nobody has read yet, up to a small request's size
+    (read_turns.READ_AT_ONCE_BYTES), left in the socket."""
+    try:
+        fd = transport.get_extra_info("socket").fileno()
+    except (OSError, AttributeError, ValueError):
+        return b""
+    return waiting_bytes(fd, READ_AT_ONCE_BYTES)
+
+
 def request_kind(data: bytes) -> int:
     """0 unless ``data`` is one whole request (whole_request); PROBE for a GET of a probe's
     path, else WHOLE."""
@@ -264,11 +274,7 @@ class RefusedNewcomer:
         """The door's answer to a whole GET /healthz already in the socket, not read yet."""
         if self._answer_probe is None:
             return None
-        try:
-            fd = self._transport.get_extra_info("socket").fileno()
-        except (OSError, AttributeError, ValueError):
-            return None
-        data = waiting_bytes(fd, READ_AT_ONCE_BYTES)
+        data = request_waiting(self._transport)
         return self._answer_probe(data) if request_kind(data) == PROBE else None
 
     def data_received(self, data: bytes) -> None:

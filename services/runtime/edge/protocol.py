@@ -39,7 +39,7 @@ import httptools
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from common.socket_queues import has_bytes_waiting, waiting_bytes
+from common.socket_queues import has_bytes_waiting
 from services.runtime.edge.body_pace import BodyRate, chunks_too_small
 from services.runtime.edge.connection_limits import ConnectionLimits, ConnectionStats, Refusal, error_bytes
 from services.runtime.edge.connection_room import (
@@ -50,26 +50,17 @@ from services.runtime.edge.connection_room import (
     ConnectionRoom,
     RefusedNewcomer,
     request_kind,
+    request_waiting,
     too_many_connections,
 )
 from services.runtime.edge.lingering_close import LingeringClose
-from services.runtime.edge.read_turns import READ_AT_ONCE_BYTES, ReadTurns, TurnedFlowControl, read_at_once
+from services.runtime.edge.read_turns import ReadTurns, TurnedFlowControl, read_at_once
 from services.runtime.edge.send_deadline import KernelQueueLinger, SendWatch, reset
 from services.runtime.edge.start_turns import StartTurns, is_probe
 
 __all__ = ["ConnectionLimits", "ConnectionStats", "error_bytes", "guarded_protocol"]
 
 IDLE, HEAD, BODY = "idle", "head", "body"  # where the parser is in the latest request
-
-
-def sent_whole_request(transport: asyncio.Transport) -> int:
-    """Has the client already sent a whole small request (read_turns.READ_AT_ONCE_BYTES at
-    most)? connection_room.request_kind of it: 0, WHOLE or PROBE."""
-    try:
-        fd = transport.get_extra_info("socket").fileno()
-    except (OSError, AttributeError, ValueError):
-        return 0
-    return request_kind(waiting_bytes(fd, READ_AT_ONCE_BYTES))
 
 
 def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = ConnectionStats,
@@ -136,7 +127,8 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
 
         # ---- connections ------------------------------------------------------------
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            admitted = room.make_room(len(self.connections), self.loop.time(), lambda: sent_whole_request(transport))
+            admitted = room.make_room(len(self.connections), self.loop.time(),
+                                      lambda: request_kind(request_waiting(transport)))
             if not admitted:
                 stats.refused += 1
                 self.transport = transport

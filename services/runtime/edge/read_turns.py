@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.flow_control import FlowControl
@@ -47,27 +48,37 @@ def read_at_once(transport: Any) -> bool:
     return True
 
 
-class ReadTurns:
-    """Shared by the connections of one event loop."""
+class LoopTurns:
+    """At most ``per_turn`` pieces of work run in one turn of the event loop, first come first
+    served; the others in the turns after (counted in ``stats.<counter>``). A piece that turns
+    out to have nothing left to do when its turn comes (it returns False) does not count.
+    Shared by the connections of one event loop; event loop thread only."""
 
-    def __init__(self, stats: type | None = None, per_turn: int = READS_PER_TURN):
-        self.stats, self.per_turn = stats, per_turn
+    def __init__(self, stats: type | None, counter: str, per_turn: int):
+        self.stats, self.counter, self.per_turn = stats, counter, per_turn
+        self.deferred = 0
         self._used = 0
-        self._waiting: deque[TurnedFlowControl] = deque()
+        self._waiting: deque[Callable[[], bool | None]] = deque()
         self._armed = False
 
-    def resume(self, flow: TurnedFlowControl, loop: asyncio.AbstractEventLoop) -> None:
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def run(self, work: Callable[[], bool | None], loop: asyncio.AbstractEventLoop) -> None:
+        """``work`` now if this turn has room, else in a later turn."""
         if self._used < self.per_turn and not self._waiting:
             self._used += 1
-            flow.resume_now()
+            work()
         else:
+            self.deferred += 1
             if self.stats is not None:
-                self.stats.reads_deferred += 1
-            self._waiting.append(flow)
+                setattr(self.stats, self.counter, getattr(self.stats, self.counter) + 1)
+            self._waiting.append(work)
         self._arm(loop)
 
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
-        # a callback made now runs at the start of the loop's next turn
+        # a callback made now runs after this turn's ready callbacks: at the start of the next
         if not self._armed:
             self._armed = True
             loop.call_soon(self._next_turn, loop)
@@ -76,10 +87,20 @@ class ReadTurns:
         self._armed = False
         self._used = 0
         while self._waiting and self._used < self.per_turn:
-            if self._waiting.popleft().resume_now():
+            if self._waiting.popleft()() is not False:
                 self._used += 1
         if self._waiting or self._used:
             self._arm(loop)
+
+
+class ReadTurns(LoopTurns):
+    """Paused uploads resume reading a few per turn."""
+
+    def __init__(self, stats: type | None = None, per_turn: int = READS_PER_TURN):
+        super().__init__(stats, "reads_deferred", per_turn)
+
+    def resume(self, flow: TurnedFlowControl, loop: asyncio.AbstractEventLoop) -> None:
+        self.run(flow.resume_now, loop)
 
 
 class TurnedFlowControl(FlowControl):

@@ -13,54 +13,28 @@ reordered on a connection: its next request starts only after its answer, as bef
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import Callable
 
+from services.runtime.edge.connection_room import PROBE_TARGETS
+from services.runtime.edge.read_turns import LoopTurns
+
 STARTS_PER_TURN = 8
-PROMPT_PATHS = frozenset({"/healthz", "/readyz"})
+PROMPT_PATHS = frozenset(target.decode() for target in PROBE_TARGETS)  # the probes the overflow spares too
 
 
 def is_probe(scope: dict) -> bool:
     return scope.get("method") == "GET" and scope.get("path") in PROMPT_PATHS
 
 
-class StartTurns:
+class StartTurns(LoopTurns):
     """Shared by the connections of one event loop (event loop thread only)."""
 
     def __init__(self, stats: type | None = None, per_turn: int = STARTS_PER_TURN):
-        self.stats, self.per_turn = stats, per_turn
-        self.deferred = 0  # starts put off to a later turn
-        self._used = 0
-        self._waiting: deque[Callable[[], None]] = deque()
-        self._armed = False
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
+        super().__init__(stats, "starts_deferred", per_turn)
 
     def start(self, begin: Callable[[], None], loop: asyncio.AbstractEventLoop, prompt: bool = False) -> None:
         """Run ``begin`` now if this turn has room (or ``prompt``), else in a later turn."""
-        if prompt or (self._used < self.per_turn and not self._waiting):
-            if not prompt:
-                self._used += 1
+        if prompt:
             begin()
         else:
-            self.deferred += 1
-            if self.stats is not None:
-                self.stats.starts_deferred += 1
-            self._waiting.append(begin)
-        self._arm(loop)
-
-    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
-        if not self._armed:  # a callback made now runs after this turn's ready callbacks
-            self._armed = True
-            loop.call_soon(self._next_turn, loop)
-
-    def _next_turn(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._armed = False
-        self._used = 0
-        while self._waiting and self._used < self.per_turn:
-            self._used += 1
-            self._waiting.popleft()()
-        if self._waiting or self._used:
-            self._arm(loop)
+            self.run(begin, loop)
