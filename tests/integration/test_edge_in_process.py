@@ -12,10 +12,12 @@ pause of the event loop, the probes' included, every second or two."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import uvicorn
@@ -29,14 +31,18 @@ OURS = ("GuardedHttpProtocol", "_SelectorSocketTransport", "RequestResponseCycle
         "SendWatch", "BodyRate", "TurnedFlowControl", "LingeringClose")
 
 
-@pytest.fixture()
-def server():
+@contextlib.contextmanager
+def serving(limits: ConnectionLimits, pace_s: tuple[float, float] | None = None) -> Iterator[int]:
+    """uvicorn with the guarded protocol on a thread of this process: its port; stopped on the
+    way out, even when the test fails."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = uvicorn.Config(create_app({}), host="127.0.0.1", port=port, log_level="error", lifespan="on",
-                            http=guarded_protocol(ConnectionLimits(max_connections=8, header_timeout_s=3.0)))
-    srv = uvicorn.Server(config)
+    protocol = guarded_protocol(limits)
+    if pace_s is not None:
+        protocol.pace_s = pace_s
+    srv = uvicorn.Server(uvicorn.Config(create_app({}), host="127.0.0.1", port=port, log_level="error",
+                                        lifespan="on", http=protocol, timeout_graceful_shutdown=1))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     try:
@@ -49,6 +55,12 @@ def server():
         srv.should_exit = True
         thread.join(10)
         assert not thread.is_alive()
+
+
+@pytest.fixture()
+def server():
+    with serving(ConnectionLimits(max_connections=8, header_timeout_s=3.0)) as port:
+            yield port
 
 
 def _ask(port: int, data: bytes, then_wait: float = 0.0) -> bytes:
@@ -114,71 +126,43 @@ def test_a_refused_whole_request_takes_the_next_place_that_comes_free():
     """The port and its overflow full, a newcomer's whole request is refused and its 503 waits
     (5 s here); the moment an overflow place comes free it is offered that place and answered
     (before, it waited for its 503 to be due)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    protocol = guarded_protocol(ConnectionLimits(max_connections=8))
-    protocol.pace_s = (5.0, 5.0)
-    srv = uvicorn.Server(uvicorn.Config(create_app({}), host="127.0.0.1", port=port, log_level="error",
-                                        lifespan="on", http=protocol, timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
     held: list[socket.socket] = []
-    try:
-        deadline = time.monotonic() + 10
-        while not srv.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        for i in range(8 + 8):  # the places, then the overflow (whole requests): all in progress
-            s = socket.create_connection(("127.0.0.1", port))
-            s.sendall(f"GET /wait?s={6 if i < 8 else 1.0} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-            held.append(s)
-            time.sleep(0.02)
-        t0 = time.monotonic()
-        answer = _ask(port, b"GET /wait?s=0&tag=late HTTP/1.1\r\nHost: x\r\n\r\n")
-        took = time.monotonic() - t0
-        assert answer.startswith(b"HTTP/1.1 200") and b'"tag":"late"' in answer, answer[:300]
-        assert took < 4.0, took  # an overflow place came free after 1 s; its 503 was due at 5 s
-    finally:
-        for s in held:
-            s.close()
-        srv.should_exit = True
-        thread.join(10)
-        assert not thread.is_alive()
+    with serving(ConnectionLimits(max_connections=8), pace_s=(5.0, 5.0)) as port:
+        try:
+            for i in range(8 + 8):  # the places, then the overflow (whole requests): all in progress
+                s = socket.create_connection(("127.0.0.1", port))
+                s.sendall(f"GET /wait?s={6 if i < 8 else 1.0} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+                held.append(s)
+                time.sleep(0.02)
+            t0 = time.monotonic()
+            answer = _ask(port, b"GET /wait?s=0&tag=late HTTP/1.1\r\nHost: x\r\n\r\n")
+            took = time.monotonic() - t0
+            assert answer.startswith(b"HTTP/1.1 200") and b'"tag":"late"' in answer, answer[:300]
+            assert took < 4.0, took  # an overflow place came free after 1 s; its 503 was due at 5 s
+        finally:
+            for s in held:
+                s.close()
 
 
 def test_a_request_sent_while_its_connection_waits_to_be_closed_is_told_why():
     """An idle connection closed to make room is closed after a pause; a request its client
     sends meanwhile (a kept-alive client reusing it) gets 503 too_many_connections, not a
     silent close."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    protocol = guarded_protocol(ConnectionLimits(max_connections=4))
-    protocol.pace_s = (1.0, 1.0)
-    srv = uvicorn.Server(uvicorn.Config(create_app({}), host="127.0.0.1", port=port, log_level="error",
-                                        lifespan="on", http=protocol, timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
     idle: list[socket.socket] = []
-    try:
-        deadline = time.monotonic() + 10
-        while not srv.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        for _ in range(4):  # the port full of connections that sent nothing
-            idle.append(socket.create_connection(("127.0.0.1", port)))
-        time.sleep(1.2)  # idle for longer than FRESH_S: they may make room
-        probe = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-        assert _ask(port, probe).startswith(b"HTTP/1.1 200")  # the oldest idle one made room
-        idle[0].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # its client uses it meanwhile
-        idle[0].settimeout(5)
-        told = idle[0].recv(4096)
-        assert told.startswith(b"HTTP/1.1 503") and b"too_many_connections" in told, told
-    finally:
-        for s in idle:
-            s.close()
-        srv.should_exit = True
-        thread.join(10)
-        assert not thread.is_alive()
+    with serving(ConnectionLimits(max_connections=4), pace_s=(1.0, 1.0)) as port:
+        try:
+            for _ in range(4):  # the port full of connections that sent nothing
+                idle.append(socket.create_connection(("127.0.0.1", port)))
+            time.sleep(1.2)  # idle for longer than FRESH_S: they may make room
+            probe = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            assert _ask(port, probe).startswith(b"HTTP/1.1 200")  # the oldest idle one made room
+            idle[0].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # its client uses it meanwhile
+            idle[0].settimeout(5)
+            told = idle[0].recv(4096)
+            assert told.startswith(b"HTTP/1.1 503") and b"too_many_connections" in told, told
+        finally:
+            for s in idle:
+                s.close()
 
 
 def test_a_kept_alive_connection_that_makes_room_closes_at_once_and_its_pool_reconnects():
@@ -188,33 +172,19 @@ def test_a_kept_alive_connection_that_makes_room_closes_at_once_and_its_pool_rec
     request into a connection about to close."""
     import requests
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    protocol = guarded_protocol(ConnectionLimits(max_connections=4))
-    protocol.pace_s = (2.0, 2.0)
-    srv = uvicorn.Server(uvicorn.Config(create_app({}), host="127.0.0.1", port=port, log_level="error",
-                                        lifespan="on", http=protocol, timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
     silent: list[socket.socket] = []
-    try:
-        deadline = time.monotonic() + 10
-        while not srv.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        with requests.Session() as client:
-            assert client.get(f"http://127.0.0.1:{port}/wait?s=0", timeout=5).status_code == 200
-            for _ in range(3):  # the rest of the port: connections that send nothing
-                silent.append(socket.create_connection(("127.0.0.1", port)))
-            time.sleep(1.2)  # all idle past FRESH_S; the client's the longest
-            probe = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-            assert _ask(port, probe).startswith(b"HTTP/1.1 200")  # the client's connection made room
-            time.sleep(0.1)
-            again = client.get(f"http://127.0.0.1:{port}/wait?s=0", timeout=5)
-            assert again.status_code == 200, again.text
-    finally:
-        for s in silent:
-            s.close()
-        srv.should_exit = True
-        thread.join(10)
-        assert not thread.is_alive()
+    with serving(ConnectionLimits(max_connections=4), pace_s=(2.0, 2.0)) as port:
+        try:
+            with requests.Session() as client:
+                assert client.get(f"http://127.0.0.1:{port}/wait?s=0", timeout=5).status_code == 200
+                for _ in range(3):  # the rest of the port: connections that send nothing
+                    silent.append(socket.create_connection(("127.0.0.1", port)))
+                time.sleep(1.2)  # all idle past FRESH_S; the client's the longest
+                probe = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                assert _ask(port, probe).startswith(b"HTTP/1.1 200")  # the client's connection made room
+                time.sleep(0.1)
+                again = client.get(f"http://127.0.0.1:{port}/wait?s=0", timeout=5)
+                assert again.status_code == 200, again.text
+        finally:
+            for s in silent:
+                s.close()
