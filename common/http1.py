@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import http
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -183,3 +184,19 @@ async def get(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path: 
             await writer.wait_closed()
         except (ConnectionError, OSError):
             pass
+
+
+def whole_request(data: bytes) -> bool:
+    """Is ``data`` exactly one request with nothing more to wait for: its head and all of its
+    body, nothing after (no chunked body, no Expect: 100-continue, a Content-Length that reads
+    as one number)?"""
+    end = data.find(b"\r\n\r\n")
+    if end < 0:
+        return False
+    head = data[:end].lower()
+    if b"\nexpect:" in head or b"\ntransfer-encoding:" in head:
+        return False
+    if b"\ncontent-length:" not in head:
+        return len(data) == end + 4
+    length = re.search(rb"\ncontent-length:[ \t]*(\d+)[ \t]*(?:\r|$)", head)
+    return length is not None and len(data) == end + 4 + int(length.group(1))

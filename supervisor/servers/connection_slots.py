@@ -16,7 +16,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from common.socket_queues import has_bytes_waiting
+from common.http1 import whole_request
+from common.socket_queues import has_bytes_waiting, waiting_bytes
+
+MAX_PEEK = 16 * 1024  # a probe's whole request is far smaller
+
+
+def _fd(writer: Any) -> int:
+    try:
+        return writer.get_extra_info("socket").fileno()
+    except (OSError, AttributeError, ValueError):
+        return -1
 
 
 class Slots:
@@ -39,11 +49,12 @@ class Slots:
             while self._empty and has_bytes_waiting(first := next(iter(self._empty))):
                 del self._empty[first]
                 self._partial[first] = None
-            pool = self._empty or self._partial
-            if not pool:
+            # one whose whole request is waiting unread is about to be answered: never closed
+            oldest = next(iter(self._empty), None) or next(
+                (w for w in self._partial if not whole_request(waiting_bytes(_fd(w), MAX_PEEK))), None)
+            if oldest is None:
                 return False
-            oldest = next(iter(pool))
-            del pool[oldest]
+            (self._empty if oldest in self._empty else self._partial).pop(oldest)
             oldest.transport.abort()  # its handler sees the reset and leaves
         (self._partial if has_bytes_waiting(writer) else self._empty)[writer] = None
         return True

@@ -778,3 +778,32 @@ def test_the_door_answers_only_a_plain_get_of_healthz_and_never_raises():
         raise RuntimeError("the part cannot say")
     assert health_at_the_door(SimpleNamespace(instance="", health=broken))(
         b"GET /healthz HTTP/1.1\r\n\r\n") is None  # refused as any other; the route answers it
+
+
+def test_the_supervisors_slots_never_close_a_connection_whose_whole_request_waits_unread():
+    """No silent connection left to close: of those with bytes, one whose whole request is in
+    its socket (a probe about to be answered) is spared; a half-sent head makes room."""
+    import socket
+
+    from supervisor.servers.connection_slots import Slots
+
+    class Writer(SocketTransport):
+        def __init__(self, sock, aborted: list):
+            super().__init__(sock)
+            self.transport = type("T", (), {"abort": lambda _self: aborted.append(self)})()
+
+    aborted: list = []
+    pairs = [socket.socketpair() for _ in range(4)]
+    try:
+        slots = Slots(2)
+        probe, half, newcomer, last = (Writer(ours, aborted) for ours, _ in pairs)
+        pairs[0][1].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        pairs[1][1].sendall(b"GET /healthz HTTP/1.1\r\nHo")
+        assert slots.admit(probe) and slots.admit(half)
+        assert slots.admit(newcomer) and aborted == [half]
+        pairs[2][1].sendall(b"GET /readyz HTTP/1.1\r\n\r\n")
+        assert not slots.admit(last) and aborted == [half]  # both waiting are whole: refused
+    finally:
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()

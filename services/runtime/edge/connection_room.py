@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from common.http1 import whole_request
 from common.socket_queues import has_bytes_waiting, waiting_bytes
 from services.runtime.edge.connection_limits import error_bytes
 from services.runtime.edge.read_turns import READ_AT_ONCE_BYTES
@@ -192,22 +192,6 @@ def request_kind(data: bytes) -> int:
         return 0
     line = data[:data.find(b"\r\n")].split(b" ")
     return PROBE if len(line) == 3 and line[0] == b"GET" and line[1] in PROBE_TARGETS else WHOLE
-
-
-def whole_request(data: bytes) -> bool:
-    """Is ``data`` exactly one request with nothing more to wait for: its head and all of its
-    body, nothing after (no chunked body, no Expect: 100-continue, a Content-Length that reads
-    as one number)?"""
-    end = data.find(b"\r\n\r\n")
-    if end < 0:
-        return False
-    head = data[:end].lower()
-    if b"\nexpect:" in head or b"\ntransfer-encoding:" in head:
-        return False
-    if b"\ncontent-length:" not in head:
-        return len(data) == end + 4
-    length = re.search(rb"\ncontent-length:[ \t]*(\d+)[ \t]*(?:\r|$)", head)
-    return length is not None and len(data) == end + 4 + int(length.group(1))
 
 
 def too_many_connections(limit: int) -> bytes:
