@@ -5,16 +5,14 @@ they arrive, nor the time a client may take to send them or to read its answer: 
 keep-alive timer is reset by every byte, so a client trickling one byte at a time holds a
 connection forever (uvicorn issue 157). Here, per connection:
 
-- at ``max_connections`` a newcomer takes the place of the longest idle connection
-  (connection_room); only when every connection has a request in progress is it refused
-  (503, a short bounded linger): never descriptor exhaustion;
+- at ``max_connections`` a newcomer takes the place of the longest idle connection; only
+  when every connection has a request in progress is it refused (503 after a pause,
+  holding no place): never descriptor exhaustion (admission, connection_room);
 - a request head's bytes are counted as they arrive: past ``max_header_bytes`` (or
   ``max_header_count`` fields) 431 within one read, however the head is cut;
 - a head must arrive within ``header_timeout_s``, a body within ``body_timeout_s`` and at
-  ``min_body_rate_bytes_s`` on average after ``body_rate_grace_s`` (body_pace); else 408 and
-  a close. A deadline runs only while the request is the client's to send: one pipelined
-  behind another gets its deadline when the earlier answers are out, and an error about
-  it is written after them, never in their place;
+  ``min_body_rate_bytes_s`` on average (receive_deadlines); else 408 and a close, written
+  after the answers still owed to earlier requests, never in their place;
 - at most ``max_pipelined_requests`` wait behind the one being answered (then 429);
 - a body's framing cannot make the service read much more than the body limit (413 past
   twice ``max_body_bytes``), nor cost the loop a callback per byte (413 for chunks that
@@ -31,7 +29,6 @@ connection forever (uvicorn issue 157). Here, per connection:
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Callable
 from typing import Any
 
@@ -40,27 +37,18 @@ from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from common.socket_queues import has_bytes_waiting
+from services.runtime.edge.admission import BODY, HEAD, IDLE, Admission, AdmittingConnection
 from services.runtime.edge.body_pace import BodyRate, chunks_too_small
 from services.runtime.edge.connection_limits import ConnectionLimits, ConnectionStats, Refusal, error_bytes
-from services.runtime.edge.connection_room import (
-    OVERFLOW,
-    PACE_S,
-    PACED_PER_PLACE,
-    PROBE,
-    ConnectionRoom,
-    RefusedNewcomer,
-    request_kind,
-    request_waiting,
-    too_many_connections,
-)
+from services.runtime.edge.connection_room import RefusedNewcomer
+from services.runtime.edge.expect_continue import close_if_refused_before_continue, stamp_the_continue
 from services.runtime.edge.lingering_close import LingeringClose
 from services.runtime.edge.read_turns import ReadTurns, TurnedFlowControl, read_at_once
+from services.runtime.edge.receive_deadlines import ReceiveDeadlines
 from services.runtime.edge.send_deadline import KernelQueueLinger, SendWatch, reset
 from services.runtime.edge.start_turns import StartTurns, is_probe
 
 __all__ = ["ConnectionLimits", "ConnectionStats", "error_bytes", "guarded_protocol"]
-
-IDLE, HEAD, BODY = "idle", "head", "body"  # where the parser is in the latest request
 
 
 def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = ConnectionStats,
@@ -71,34 +59,19 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
     newcomer refused at max_connections gets at once, needing no place."""
     if linger is None:
         linger = KernelQueueLinger(limits.send_timeout_s, limits.max_connections)
-    room = ConnectionRoom(limits.max_connections)
+    admission = Admission(limits, stats, probe_answer)
     lingering = LingeringClose(limits.max_connections, drain_bytes_s=limits.lingering_drain_bytes_s)
     turns = ReadTurns(stats)
     starts = StartTurns(stats)
-    leaving_paced = [0]  # connections that made room, waiting to be told and closed
-    # refused newcomers whose whole request is in, waiting for their 503: the next place that
-    # comes free is offered to the oldest (probes first), not only when their 503 is due
-    waiting_probes: dict[Any, None] = {}
-    waiting_whole: dict[Any, None] = {}
-
-    def offer_place() -> None:
-        for waiting in (waiting_probes, waiting_whole):
-            while waiting:
-                conn = next(iter(waiting))
-                refused = conn._refused
-                if refused is None or not refused.waits_with():
-                    del waiting[conn]  # answered, taken or gone meanwhile
-                    continue
-                if refused.offer():
-                    del waiting[conn]
-                    return
-                break  # no place for this kind (a probe's reserve came free, say): it keeps its turn
 
     def too_large(what: str) -> Refusal:
         return Refusal(431, "headers_too_large", what, "headers_too_large")
 
-    class GuardedHttpProtocol(HttpToolsProtocol):
-        pace_s = PACE_S  # how long a refusal or a connection that made room waits to be told
+    room = admission.room
+
+    class GuardedHttpProtocol(AdmittingConnection, ReceiveDeadlines, HttpToolsProtocol):
+        edge_limits, edge_stats = limits, stats
+
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
             self._refused: RefusedNewcomer | None = None
@@ -126,22 +99,9 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._leave_timer: asyncio.TimerHandle | None = None  # made room: told and closed then
 
         # ---- connections ------------------------------------------------------------
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            admitted = room.make_room(len(self.connections), self.loop.time(),
-                                      lambda: request_kind(request_waiting(transport)))
-            if not admitted:
-                stats.refused += 1
-                self.transport = transport
-                self._broken = True  # never parsed, whatever happens to its refusal
-                self._refused = RefusedNewcomer(
-                    self.loop, transport, limits.max_connections, self._take_late, pace_s=random.uniform(*self.pace_s),
-                    answer_probe=None if probe_answer is None else self._answer_probe)
-                return
-            self._admit(transport, admitted is OVERFLOW)
-
         def _admit(self, transport: asyncio.Transport, overflow: bool, read_now: bool = True) -> None:
             self._overflow = overflow  # answered, then closed: never a second request
-            super().connection_made(transport)
+            HttpToolsProtocol.connection_made(self, transport)  # AdmittingConnection's decided this
             self.flow = TurnedFlowControl(transport, turns, self.loop)  # before any request takes it
             room.arrived(self, transport)
             self._send_watch = SendWatch(self.loop, transport, limits.send_timeout_s, self._on_send_stuck)
@@ -150,77 +110,6 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._update_receive_deadline()
             if read_now:
                 read_at_once(transport)
-
-        def _answer_probe(self, request: bytes) -> bytes | None:
-            answer = probe_answer(request)
-            if answer is not None:
-                stats.refused -= 1
-                stats.probes_at_the_door += 1
-            return answer
-
-        def _take_late(self, request: bytes) -> bool:
-            """A refused newcomer's whole request came after its connection was accepted (a
-            probe that connects, then writes): taken as if it had come first, if there is room."""
-            admitted = room.make_room(len(self.connections), self.loop.time(), lambda: request_kind(request))
-            if not admitted:
-                return False
-            stats.refused -= 1
-            stats.taken_late += 1
-            self._refused = None
-            self._broken = False
-            self._admit(self.transport, admitted is OVERFLOW, read_now=False)  # what it sent first goes first
-            self.data_received(request)
-            return True
-
-        def give_way(self) -> None:
-            """Closed to make room for a newcomer (connection_room): silently when idle, with a
-            503 when a head was arriving, a 408 when its body had stalled. Its place is the
-            newcomer's at once, but it is told (and closed) after a pause, as a refusal is:
-            evicted clients that reconnect at once took each other's places in a chain as
-            fast as the loop could go, and the probes queued behind them. One kept alive
-            between requests is closed at once (a client's pool sees the close)."""
-            stats.evicted += 1
-            self._gave_way = True
-            if self._phase == BODY and not self._broken:
-                self._cut = True
-                self._broken = True
-                self._disarm()
-                if self.cycle is not None and not self.cycle.response_complete:
-                    self.cycle.disconnected = True  # its app stops now; the 408 comes later
-                    self.cycle.message_event.set()
-                self._leave_later(lambda: self._fail(
-                    408, "body_stalled", f"the request body stalled while the service held "
-                    f"{limits.max_connections} connections: closed to make room"))
-                return
-            arriving = not self._broken and (self._phase == HEAD or self._waiting_bytes > 0
-                                             or has_bytes_waiting(self.transport))
-            self._broken = True  # silent, it lingers briefly (CUT_IDLE_S), not a client's 5 s
-            self._disarm()
-
-            def leave() -> None:
-                # a request that came while it waited (its reading paused) is told why, not dropped
-                if not self.transport.is_closing() and (arriving or has_bytes_waiting(self.transport)):
-                    self.transport.write(too_many_connections(limits.max_connections))
-                self.transport.close()
-            if self._message_no and not arriving:
-                # kept alive between requests: a client's pool checks for a close before reusing
-                # it, and opens a new connection; closed after a pause it got 503 instead
-                leave()
-                return
-            self._leave_later(leave)
-
-        def _leave_later(self, leave) -> None:
-            if leaving_paced[0] >= PACED_PER_PLACE * limits.max_connections or self.transport.is_closing():
-                leave()  # a bound on descriptors held for that: at once beyond it
-                return
-            leaving_paced[0] += 1
-            self.transport.pause_reading()
-
-            def now() -> None:
-                self._leave_timer = None
-                leaving_paced[0] -= 1
-                leave()
-            self._leave_timer = self.loop.call_later(random.uniform(*self.pace_s), now)
 
         def _update_room(self) -> None:
             if self._broken or self.transport.is_closing():
@@ -250,15 +139,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
-            if self._leave_timer is not None:  # its client went first
-                self._leave_timer.cancel()
-                self._leave_timer = None
-                leaving_paced[0] -= 1
-            room.gone(self)
-            waiting_probes.pop(self, None)
-            waiting_whole.pop(self, None)
-            if self._refused is not None:
-                self._refused.gone()
+            if self._admission_lost():
                 self.parser = None  # never used; it holds this protocol's callbacks
                 self._let_go()
                 return
@@ -274,8 +155,8 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                     linger.adopt(self.loop, sock)
             super().connection_lost(exc)
             self._let_go()
-            if waiting_probes or waiting_whole:
-                offer_place()
+            if admission.anyone_waiting:
+                admission.offer_place()
 
         def _let_go(self) -> None:
             """Break the reference cycles a connection is made of (its watchers' callbacks
@@ -349,10 +230,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
         # ---- reading ------------------------------------------------------------------
         def data_received(self, data: bytes) -> None:
             if self._refused is not None:
-                self._refused.data_received(data)
-                kind = self._refused.waits_with() if self._refused is not None else 0
-                if kind:
-                    (waiting_probes if kind == PROBE else waiting_whole)[self] = None
+                self._refused_data(data)
                 return
             if self._broken:
                 return  # drained and dropped: an error is on its way
@@ -444,68 +322,6 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self.transport.write(error_bytes(status, code, message))
             self.transport.close()
 
-        # ---- deadlines --------------------------------------------------------------
-        def _update_receive_deadline(self) -> None:
-            """Arm the deadline of what the client owes now, or none: a head or a body is
-            the client's to send only once every earlier answer is out."""
-            if self._broken or self.transport.is_closing():
-                return
-            if self._earlier_answers_pending():
-                self._disarm()
-            elif self._phase == BODY:
-                self._arm(("body", self._message_no), limits.body_timeout_s)
-                if self.cycle is not None and not self.cycle.response_complete:
-                    self._body_rate.start()
-            elif self._phase == HEAD:
-                self._arm(("head", self._message_no), limits.header_timeout_s)
-            elif self._waiting_bytes > 0 or self._message_no == 0:
-                # the first request's head is due from the connection; a later one's from its
-                # first byte (until then uvicorn's keep-alive timer runs)
-                self._arm(("head", self._message_no + 1), limits.header_timeout_s)
-            else:
-                self._disarm()
-
-        def _arm(self, key: tuple[str, int], seconds: float) -> None:
-            if self._deadline is not None and self._deadline_for == key:
-                return  # already running for this head or body: never restarted by a byte
-            self._disarm()
-            self._deadline_for = key
-            self._deadline = self.loop.call_later(seconds, self._on_deadline)
-
-        def _disarm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
-            self._deadline_for = None
-            if self._body_rate is not None:
-                self._body_rate.stop()
-
-        def _client_waits(self) -> bool:
-            """Is the body held back by us rather than by the client (reading paused until the
-            app takes what arrived, or a 100 Continue not sent yet)?"""
-            cycle = self.cycle
-            return self.flow.read_paused or (cycle is not None and cycle.waiting_for_100_continue)
-
-        def _on_body_too_slow(self) -> None:
-            stats.bodies_too_slow += 1
-            self._cut_request(408, "body_too_slow",
-                              f"the request body arrived at under {limits.min_body_rate_bytes_s} bytes/s")
-
-        def _on_deadline(self) -> None:
-            self._deadline = None
-            stats.timed_out += 1
-            self._cut_request(408, "request_timeout", "the request did not arrive in time")
-
-        def _cut_request(self, status: int, code: str, message: str) -> None:
-            self._cut = True
-            self._broken = True
-            self._disarm()
-            if self._phase == BODY and self.cycle is not None and not self.cycle.response_complete:
-                # the body did not arrive in time; the app sees a disconnect
-                self.cycle.disconnected = True
-                self.cycle.message_event.set()
-            self._fail(status, code, message)
-
         # ---- parser callbacks -------------------------------------------------------
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -547,34 +363,11 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             if starts_now:  # else uvicorn queued it behind the one being answered
                 self._active = self.cycle
             if self.cycle.waiting_for_100_continue:
-                self._close_if_refused_before_continue(self.cycle)
-                self._stamp_the_continue(self.cycle)
+                cycle = self.cycle
+                close_if_refused_before_continue(cycle)
+                stamp_the_continue(cycle, lambda: cycle is self.cycle and self._body_owed_now())
             if self._overflow:  # taken beyond max_connections for this one request
                 self.cycle.keep_alive = False
-
-        def _close_if_refused_before_continue(self, cycle) -> None:
-            """A client that sent ``Expect: 100-continue`` holds its body back until the 100;
-            answered without it (413, 401), its connection cannot carry another request
-            (the body it announced is still due): say ``Connection: close`` and close."""
-            send = cycle.send
-
-            async def send_then_close(message):
-                if (message["type"] == "http.response.start" and cycle.waiting_for_100_continue
-                        and cycle.more_body):
-                    cycle.keep_alive = False
-                await send(message)
-            cycle.send = send_then_close
-
-        def _stamp_the_continue(self, cycle) -> None:
-            """uvicorn writes the 100 Continue when the app first reads the body, maybe long
-            after the head (the jobs service reads a submit once it is admitted)."""
-            receive = cycle.receive
-
-            async def receive_after_continue():
-                if cycle.waiting_for_100_continue and cycle is self.cycle:
-                    self._body_owed_now()
-                return await receive()
-            cycle.receive = receive_after_continue
 
         def _start_asgi_task(self, cycle, app) -> None:
             """A few requests start per turn of the loop, probes at once (start_turns)."""
@@ -609,6 +402,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 self._body_rate.stop()
             super().on_message_complete()
 
+    GuardedHttpProtocol.admission = admission
     GuardedHttpProtocol.lingering = lingering  # shared by its connections: seen by /metrics and tests
     GuardedHttpProtocol.starts = starts
     return GuardedHttpProtocol
