@@ -9,17 +9,33 @@ callers (an orchestrator's probe, `onecard status`) send their whole request the
 they connect, usually before the supervisor even accepts them, so clients that connect and
 send nothing, or trickle, cannot lock them out: they are the ones that make room. Only when
 every slot holds a request being answered is a newcomer closed at once.
+
+A connection accepted under ``FRESH_S`` ago never makes room: on a loaded machine a probe's
+client may be descheduled between its connect and its send, and reconnecting holders turned
+the slots over so fast that it was closed, silent, before its request came (a probe failure).
+A newcomer that finds no room waits up to ``LATE_S`` for its whole request (at most
+``LATE_PER_SLOT`` per slot at once, holding no slot): one that comes is answered beyond the
+limit (at most ``OVERFLOW`` of them), the others are closed. Holders that reconnect the
+moment they are closed are paced by that wait, instead of turning the slots over at the
+loop's speed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from typing import Any
 
 from common.http1 import whole_request
 from common.socket_queues import has_bytes_waiting, waiting_bytes
 
 MAX_PEEK = 16 * 1024  # a probe's whole request is far smaller
+FRESH_S = 1.0         # accepted under this long ago: never closed to make room
+OVERFLOW = 8          # newcomers whose whole request is in, answered beyond the limit at once
+LATE_S = 0.5          # how long a newcomer with no room waits for its whole request
+LATE_PER_SLOT = 4     # newcomers waiting so at once, per slot (a bound on descriptors held)
+LATE_POLL_S = 0.02
 
 
 def _fd(writer: Any) -> int:
@@ -29,41 +45,90 @@ def _fd(writer: Any) -> int:
         return -1
 
 
+Buffered = Callable[[], bytes]
+
+
+def _whole(writer: Any, buffered: Buffered | None) -> bool:
+    """Has its whole request arrived? (An asyncio stream reads a new connection's first bytes
+    before its handler runs: they are in the reader's buffer, not in the socket.)"""
+    head = buffered() if buffered is not None else b""
+    return whole_request(head + waiting_bytes(_fd(writer), MAX_PEEK))
+
+
 class Slots:
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._empty: dict[Any, None] = {}    # nothing received yet; insertion order: oldest first
-        self._partial: dict[Any, None] = {}  # some bytes, no complete request yet
-        self._busy: set[Any] = set()         # request complete: being answered
-        self.closed_early = 0                # closed to make room, and newcomers refused
+    def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic, fresh_s: float = FRESH_S):
+        self.limit, self.clock, self.fresh_s = limit, clock, fresh_s
+        # values: when accepted; insertion order: oldest first
+        self._empty: dict[Any, float] = {}    # nothing received yet
+        self._partial: dict[Any, float] = {}  # some bytes, no complete request yet
+        self._busy: set[Any] = set()          # request complete: being answered
+        self._overflow: set[Any] = set()      # taken beyond the limit with a whole request
+        self._late = 0                        # newcomers waiting for their request (admit_late)
+        self.closed_early = 0                 # closed to make room, and newcomers refused
 
     def __len__(self) -> int:
         return len(self._empty) + len(self._partial) + len(self._busy)
 
-    def admit(self, writer: Any) -> bool:
-        """Take a slot for a new connection; False when it must be closed at once."""
+    def admit(self, writer: Any, buffered: Buffered | None = None) -> bool:
+        """Take a slot for a new connection; False when there is no room for it now (then
+        admit_late, or close it). ``buffered``: what its reader already took off the socket."""
         if len(self) >= self.limit:
-            self.closed_early += 1
-            # a connection taken as silent whose request has arrived since (on a busy loop, a
-            # probe connected a moment before it sent) is not silent: it moves on, once
-            while self._empty and has_bytes_waiting(first := next(iter(self._empty))):
-                del self._empty[first]
-                self._partial[first] = None
-            # one whose whole request is waiting unread is about to be answered: never closed
-            oldest = next(iter(self._empty), None) or next(
-                (w for w in self._partial if not whole_request(waiting_bytes(_fd(w), MAX_PEEK))), None)
+            oldest = self._to_close()
             if oldest is None:
-                return False
+                return self._take_beyond(writer, buffered)
+            self.closed_early += 1
             (self._empty if oldest in self._empty else self._partial).pop(oldest)
             oldest.transport.abort()  # its handler sees the reset and leaves
-        (self._partial if has_bytes_waiting(writer) else self._empty)[writer] = None
+        (self._partial if has_bytes_waiting(writer) else self._empty)[writer] = self.clock()
         return True
+
+    def _to_close(self) -> Any | None:
+        """The connection that makes room: the oldest silent one, else the oldest whose request
+        is unfinished; never one accepted under fresh_s ago, nor one whose whole request waits."""
+        # a connection taken as silent whose request has arrived since (on a busy loop, a
+        # probe connected a moment before it sent) is not silent: it moves on, once
+        while self._empty and has_bytes_waiting(first := next(iter(self._empty))):
+            self._partial[first] = self._empty.pop(first)
+        settled = self.clock() - self.fresh_s
+        oldest = next(iter(self._empty), None)
+        if oldest is not None and self._empty[oldest] <= settled:
+            return oldest
+        return next((w for w, since in self._partial.items()
+                     if since <= settled and not whole_request(waiting_bytes(_fd(w), MAX_PEEK))), None)
+
+    def _take_beyond(self, writer: Any, buffered: Buffered | None) -> bool:
+        if len(self._overflow) >= OVERFLOW or not _whole(writer, buffered):
+            return False
+        self._overflow.add(writer)
+        self._busy.add(writer)
+        return True
+
+    async def admit_late(self, writer: Any, buffered: Buffered | None = None) -> bool:
+        """A newcomer admit() found no room for: taken if its whole request comes within LATE_S
+        (in a slot that came free, or beyond the limit), else False (counted as closed early).
+        At most LATE_PER_SLOT x `limit` wait at once: past that, newcomers are refused at once.
+        The wait also paces clients that reconnect the moment they are closed."""
+        if self._late < LATE_PER_SLOT * self.limit:
+            self._late += 1
+            try:
+                deadline = self.clock() + LATE_S
+                while self.clock() < deadline:
+                    await asyncio.sleep(LATE_POLL_S)
+                    if _whole(writer, buffered):
+                        if len(self) < self.limit:
+                            self._busy.add(writer)
+                            return True
+                        if self._take_beyond(writer, buffered):
+                            return True
+            finally:
+                self._late -= 1
+        self.closed_early += 1
+        return False
 
     def started(self, writer: Any) -> None:
         """It sent its first bytes."""
         if writer in self._empty:
-            del self._empty[writer]
-            self._partial[writer] = None
+            self._partial[writer] = self._empty.pop(writer)
 
     def working(self, writer: Any) -> None:
         """Its request is complete: it is not closed to make room any more."""
@@ -75,6 +140,7 @@ class Slots:
         self._empty.pop(writer, None)
         self._partial.pop(writer, None)
         self._busy.discard(writer)
+        self._overflow.discard(writer)
 
 
 class ClosableServer:

@@ -107,7 +107,7 @@ class ControlServer(ClosableServer):
         self.path = settings.control_socket
         self.handle = handle
         self.identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket we bound
-        self.slots = Slots(settings.control_max_clients)
+        self.slots = Slots(settings.control_max_clients, fresh_s=0.0)  # local callers send at once
         self.idle_timeout_s = settings.control_idle_timeout_s
 
     async def start(self) -> None:
@@ -147,6 +147,7 @@ class ControlServer(ClosableServer):
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if not self.slots.admit(writer):
+            self.slots.closed_early += 1
             writer.transport.abort()
             return
         try:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from common import http1
 from supervisor.config.settings import SupervisorSettings
+from supervisor.servers import connection_slots
 from supervisor.servers.connection_slots import ClosableServer, Slots
 
 BACKLOG = 1024
@@ -77,7 +78,8 @@ class ProbePortServer(ClosableServer):
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         before = self.refused
-        if not self.slots.admit(writer):
+        buffered = lambda: bytes(getattr(reader, "_buffer", b"")[:connection_slots.MAX_PEEK])  # noqa: E731
+        if not self.slots.admit(writer, buffered) and not await self.slots.admit_late(writer, buffered):
             self.on_refused(self.refused)
             writer.transport.abort()
             return

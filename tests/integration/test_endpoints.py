@@ -113,6 +113,48 @@ def test_idle_holders_on_the_probe_port_cause_no_probe_failure(tmp_path):
         assert run.wait_exit(10) == 0
 
 
+def test_a_probe_slow_to_send_after_its_connect_is_answered_while_holders_churn(tmp_path):
+    """A probe's client descheduled between its connect and its send (a loaded machine) while
+    150 idle holders reconnect as they are closed: it is answered, not closed as silent."""
+    with SupervisorRun(tmp_path, {"a": fake_service()}, health_max_clients=48, health_idle_timeout_s=1.0) as run:
+        run.wait_ready()
+        stop = threading.Event()
+
+        def hold():
+            held: list[socket.socket] = []
+            try:
+                while not stop.is_set():
+                    held = [s for s in held if not _closed(s)]
+                    while len(held) < 50:
+                        held.append(socket.create_connection(("127.0.0.1", run.health_port), timeout=5))
+                    time.sleep(0.01)
+            finally:
+                for s in held:
+                    s.close()
+
+        holders = [threading.Thread(target=hold) for _ in range(3)]
+        for t in holders:
+            t.start()
+        answers = []
+        try:
+            time.sleep(1.0)
+            for _ in range(8):
+                with socket.create_connection(("127.0.0.1", run.health_port), timeout=5) as probe:
+                    time.sleep(0.3)
+                    try:
+                        probe.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                        answers.append(probe.recv(64).split(b"\r\n", 1)[0])
+                    except OSError as exc:
+                        answers.append(repr(exc).encode())
+        finally:
+            stop.set()
+            for t in holders:
+                t.join()
+        assert answers == [b"HTTP/1.1 200 OK"] * 8
+        run.signal(signal.SIGTERM)
+        assert run.wait_exit(10) == 0
+
+
 def _closed(s: socket.socket) -> bool:
     s.setblocking(False)
     try:

@@ -54,6 +54,14 @@ class SocketTransport:
         return self.sock if name == "socket" else None
 
 
+class SlotWriter(SocketTransport):
+    """A stream writer as the supervisor's slots see it: its socket, and an abort that is noted."""
+
+    def __init__(self, sock, aborted: list):
+        super().__init__(sock)
+        self.transport = type("T", (), {"abort": lambda _self: aborted.append(self)})()
+
+
 def test_an_idle_connection_whose_request_arrived_unread_is_not_the_one_closed():
     """On a busy loop a probe's connection is accepted before its request is read: when the
     room is full, the one that really sent nothing gives way, not the one with bytes waiting."""
@@ -79,16 +87,11 @@ def test_the_supervisors_slots_spare_a_connection_whose_request_arrived_unread()
 
     from supervisor.servers.connection_slots import Slots
 
-    class Writer(SocketTransport):
-        def __init__(self, sock, aborted: list):
-            super().__init__(sock)
-            self.transport = type("T", (), {"abort": lambda _self: aborted.append(self)})()
-
     aborted: list = []
     pairs = [socket.socketpair() for _ in range(3)]
     try:
-        slots = Slots(2)
-        a, b, newcomer = (Writer(ours, aborted) for ours, _ in pairs)
+        slots = Slots(2, fresh_s=0.0)  # order alone decides here
+        a, b, newcomer = (SlotWriter(ours, aborted) for ours, _ in pairs)
         assert slots.admit(a) and slots.admit(b)
         pairs[0][1].sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
         assert slots.admit(newcomer) and aborted == [b]
@@ -96,6 +99,81 @@ def test_the_supervisors_slots_spare_a_connection_whose_request_arrived_unread()
         for ours, theirs in pairs:
             ours.close()
             theirs.close()
+
+
+def test_the_supervisors_slots_never_close_a_fresh_connection_to_make_room():
+    """A probe's client descheduled between its connect and its send looks silent: while it
+    is under FRESH_S old it keeps its place, and a silent newcomer is the one turned away."""
+    import socket
+
+    from supervisor.servers.connection_slots import FRESH_S, Slots
+
+    now = [100.0]
+    aborted: list = []
+    pairs = [socket.socketpair() for _ in range(4)]
+    try:
+        slots = Slots(2, clock=lambda: now[0])
+        a, b, newcomer, later = (SlotWriter(ours, aborted) for ours, _ in pairs)
+        assert slots.admit(a)
+        now[0] += FRESH_S / 2
+        assert slots.admit(b)
+        assert not slots.admit(newcomer) and aborted == []  # both fresh
+        now[0] += FRESH_S / 2
+        assert slots.admit(later) and aborted == [a]        # a has settled; b is still fresh
+        assert slots.closed_early == 1
+    finally:
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
+
+
+def test_a_newcomer_with_its_whole_request_is_answered_beyond_a_full_fresh_port():
+    import socket
+
+    from supervisor.servers.connection_slots import OVERFLOW, Slots
+
+    aborted: list = []
+    pairs = [socket.socketpair() for _ in range(OVERFLOW + 4)]
+    try:
+        slots = Slots(2, clock=lambda: 0.0)
+        writers = [SlotWriter(ours, aborted) for ours, _ in pairs]
+        assert slots.admit(writers[0]) and slots.admit(writers[1])
+        for _, theirs in pairs[2:]:
+            theirs.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        taken = [slots.admit(w) for w in writers[2:]]
+        assert taken == [True] * OVERFLOW + [False] * 2 and aborted == []  # beyond, up to OVERFLOW
+        slots.leave(writers[2])
+        assert slots.admit(writers[-1])  # one answered and gone: room beyond again
+    finally:
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
+
+
+def test_a_newcomer_refused_for_room_is_taken_when_its_request_comes_late():
+    import asyncio
+    import socket
+
+    from supervisor.servers.connection_slots import LATE_S, Slots
+
+    async def scenario() -> tuple[bool, bool, int]:
+        aborted: list = []
+        pairs = [socket.socketpair() for _ in range(4)]
+        try:
+            slots = Slots(2)
+            a, b, late, silent = (SlotWriter(ours, aborted) for ours, _ in pairs)
+            assert slots.admit(a) and slots.admit(b)
+            assert not slots.admit(late) and not slots.admit(silent)
+            asyncio.get_running_loop().call_later(LATE_S / 4, pairs[2][1].sendall,
+                                                  b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            got_late, got_silent = await asyncio.gather(slots.admit_late(late), slots.admit_late(silent))
+            return got_late, got_silent, slots.closed_early
+        finally:
+            for ours, theirs in pairs:
+                ours.close()
+                theirs.close()
+
+    assert asyncio.run(scenario()) == (True, False, 1)  # the silent one is closed after LATE_S
 
 
 def test_a_connection_with_a_request_in_progress_never_makes_room():
@@ -787,16 +865,11 @@ def test_the_supervisors_slots_never_close_a_connection_whose_whole_request_wait
 
     from supervisor.servers.connection_slots import Slots
 
-    class Writer(SocketTransport):
-        def __init__(self, sock, aborted: list):
-            super().__init__(sock)
-            self.transport = type("T", (), {"abort": lambda _self: aborted.append(self)})()
-
     aborted: list = []
     pairs = [socket.socketpair() for _ in range(4)]
     try:
-        slots = Slots(2)
-        probe, half, newcomer, last = (Writer(ours, aborted) for ours, _ in pairs)
+        slots = Slots(2, fresh_s=0.0)  # order alone decides here
+        probe, half, newcomer, last = (SlotWriter(ours, aborted) for ours, _ in pairs)
         pairs[0][1].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
         pairs[1][1].sendall(b"GET /healthz HTTP/1.1\r\nHo")
         assert slots.admit(probe) and slots.admit(half)
