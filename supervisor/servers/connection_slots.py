@@ -94,7 +94,7 @@ class Slots:
         if oldest is not None and self._empty[oldest] <= settled:
             return oldest
         return next((w for w, since in self._partial.items()
-                     if since <= settled and not whole_request(waiting_bytes(_fd(w), MAX_PEEK))), None)
+                     if since <= settled and not _whole(w, None)), None)
 
     def _take_beyond(self, writer: Any, buffered: Buffered | None) -> bool:
         if len(self._overflow) >= OVERFLOW or not _whole(writer, buffered):

@@ -4,6 +4,7 @@ probe port, a crowd of status calls, and the probe port's answers to what is not
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import signal
 import socket
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 from supervisor.cli.status import Unreachable, fetch
 from tests.harness import ROOT, SupervisorRun, fake_service, http_get
@@ -80,33 +82,12 @@ def test_idle_holders_on_the_probe_port_cause_no_probe_failure(tmp_path):
     closed (the attack of a hostile neighbour): every probe is answered."""
     with SupervisorRun(tmp_path, {"a": fake_service()}, health_max_clients=48, health_idle_timeout_s=1.0) as run:
         run.wait_ready()
-        stop = threading.Event()
-
-        def hold():
-            held: list[socket.socket] = []
-            try:
-                while not stop.is_set():
-                    held = [s for s in held if not _closed(s)]
-                    while len(held) < 50:
-                        held.append(socket.create_connection(("127.0.0.1", run.health_port), timeout=5))
-                    time.sleep(0.05)
-            finally:
-                for s in held:
-                    s.close()
-
-        holders = [threading.Thread(target=hold) for _ in range(3)]
-        for t in holders:
-            t.start()
-        try:
+        with idle_holders(run.health_port, pause_s=0.05):
             time.sleep(1.0)
             codes = []
             for _ in range(40):
                 codes.append(http_get(run.health_port, "/healthz", timeout=1.0)[0])
                 time.sleep(0.05)
-        finally:
-            stop.set()
-            for t in holders:
-                t.join()
         assert codes == [200] * 40
         assert run.status_doc()["supervisor"]["probe_connections_refused"] > 0
         run.signal(signal.SIGTERM)
@@ -118,25 +99,8 @@ def test_a_probe_slow_to_send_after_its_connect_is_answered_while_holders_churn(
     150 idle holders reconnect as they are closed: it is answered, not closed as silent."""
     with SupervisorRun(tmp_path, {"a": fake_service()}, health_max_clients=48, health_idle_timeout_s=1.0) as run:
         run.wait_ready()
-        stop = threading.Event()
-
-        def hold():
-            held: list[socket.socket] = []
-            try:
-                while not stop.is_set():
-                    held = [s for s in held if not _closed(s)]
-                    while len(held) < 50:
-                        held.append(socket.create_connection(("127.0.0.1", run.health_port), timeout=5))
-                    time.sleep(0.01)
-            finally:
-                for s in held:
-                    s.close()
-
-        holders = [threading.Thread(target=hold) for _ in range(3)]
-        for t in holders:
-            t.start()
         answers = []
-        try:
+        with idle_holders(run.health_port, pause_s=0.01):
             time.sleep(1.0)
             for _ in range(8):
                 with socket.create_connection(("127.0.0.1", run.health_port), timeout=5) as probe:
@@ -146,13 +110,38 @@ def test_a_probe_slow_to_send_after_its_connect_is_answered_while_holders_churn(
                         answers.append(probe.recv(64).split(b"\r\n", 1)[0])
                     except OSError as exc:
                         answers.append(repr(exc).encode())
-        finally:
-            stop.set()
-            for t in holders:
-                t.join()
         assert answers == [b"HTTP/1.1 200 OK"] * 8
         run.signal(signal.SIGTERM)
         assert run.wait_exit(10) == 0
+
+
+@contextlib.contextmanager
+def idle_holders(port: int, pause_s: float, threads: int = 3, each: int = 50) -> Iterator[None]:
+    """`threads` x `each` connections to `port` that send nothing, each reopened when the
+    server closes it (checked every `pause_s`); all closed on the way out, even on failure."""
+    stop = threading.Event()
+
+    def hold():
+        held: list[socket.socket] = []
+        try:
+            while not stop.is_set():
+                held = [s for s in held if not _closed(s)]
+                while len(held) < each:
+                    held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+                time.sleep(pause_s)
+        finally:
+            for s in held:
+                s.close()
+
+    holders = [threading.Thread(target=hold) for _ in range(threads)]
+    for t in holders:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in holders:
+            t.join()
 
 
 def _closed(s: socket.socket) -> bool:
