@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
-from common.http1 import whole_request
+from common.http1 import HeadTimeout, HeadTooLarge, whole_request
 from common.socket_queues import has_bytes_waiting, waiting_bytes
 
 MAX_PEEK = 16 * 1024  # a probe's whole request is far smaller
@@ -35,7 +35,6 @@ FRESH_S = 1.0         # accepted under this long ago: never closed to make room
 OVERFLOW = 8          # newcomers whose whole request is in, answered beyond the limit at once
 LATE_S = 0.5          # how long a newcomer with no room waits for its whole request
 LATE_PER_SLOT = 4     # newcomers waiting so at once, per slot (a bound on descriptors held)
-LATE_POLL_S = 0.02
 
 
 def _fd(writer: Any) -> int:
@@ -46,6 +45,7 @@ def _fd(writer: Any) -> int:
 
 
 Buffered = Callable[[], bytes]
+Request = TypeVar("Request")
 
 
 def _whole(writer: Any, buffered: Buffered | None) -> bool:
@@ -103,27 +103,32 @@ class Slots:
         self._busy.add(writer)
         return True
 
-    async def admit_late(self, writer: Any, buffered: Buffered | None = None) -> bool:
-        """A newcomer admit() found no room for: taken if its whole request comes within LATE_S
-        (in a slot that came free, or beyond the limit), else False (counted as closed early).
-        At most LATE_PER_SLOT x `limit` wait at once: past that, newcomers are refused at once.
-        The wait also paces clients that reconnect the moment they are closed."""
+    async def admit_late(self, writer: Any, read_request: Callable[[], Awaitable[Request]]) -> Request | None:
+        """A newcomer admit() found no room for: ``read_request()`` reads its whole request,
+        and the request is returned if it came within LATE_S and there is room for it then
+        (a slot that came free, or beyond the limit); else None (counted as closed early).
+        The wait is on the connection's own data, no polling. At most LATE_PER_SLOT x `limit`
+        wait at once: past that, newcomers are refused at once. The wait also paces clients
+        that reconnect the moment they are closed."""
+        request = None
         if self._late < LATE_PER_SLOT * self.limit:
             self._late += 1
             try:
-                deadline = self.clock() + LATE_S
-                while self.clock() < deadline:
-                    await asyncio.sleep(LATE_POLL_S)
-                    if _whole(writer, buffered):
-                        if len(self) < self.limit:
-                            self._busy.add(writer)
-                            return True
-                        if self._take_beyond(writer, buffered):
-                            return True
+                request = await asyncio.wait_for(read_request(), LATE_S)
+            except (TimeoutError, OSError, asyncio.IncompleteReadError, HeadTooLarge, HeadTimeout):
+                request = None
             finally:
                 self._late -= 1
+        if request is not None:
+            if len(self) < self.limit:
+                self._busy.add(writer)
+                return request
+            if len(self._overflow) < OVERFLOW:
+                self._overflow.add(writer)
+                self._busy.add(writer)
+                return request
         self.closed_early += 1
-        return False
+        return None
 
     def started(self, writer: Any) -> None:
         """It sent its first bytes."""

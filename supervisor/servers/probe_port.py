@@ -79,14 +79,18 @@ class ProbePortServer(ClosableServer):
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         before = self.refused
         buffered = lambda: bytes(getattr(reader, "_buffer", b"")[:connection_slots.MAX_PEEK])  # noqa: E731
-        if not self.slots.admit(writer, buffered) and not await self.slots.admit_late(writer, buffered):
-            self.on_refused(self.refused)
-            writer.transport.abort()
-            return
+        head = None
+        if not self.slots.admit(writer, buffered):
+            head = await self.slots.admit_late(
+                writer, lambda: http1.read_head(reader, timeout_s=connection_slots.LATE_S))
+            if head is None:
+                self.on_refused(self.refused)
+                writer.transport.abort()
+                return
         if self.refused != before:  # an idle one made room
             self.on_refused(self.refused)
         try:
-            answer, method = await self._answer(reader, writer)
+            answer, method = await self._answer(reader, writer, head)
             if answer is not None:
                 await http1.send_answer(writer, answer, timeout_s=self.idle_timeout_s, head_only=method == "HEAD")
         except (ConnectionError, OSError, TimeoutError):
@@ -95,12 +99,14 @@ class ProbePortServer(ClosableServer):
             self.slots.leave(writer)
             writer.close()
 
-    async def _answer(self, reader: asyncio.StreamReader,
-                      writer: asyncio.StreamWriter) -> tuple[http1.Answer | None, str]:
-        """The answer and the request's method; no answer for a client that sent nothing."""
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      head: bytes | None) -> tuple[http1.Answer | None, str]:
+        """The answer and the request's method; no answer for a client that sent nothing.
+        ``head``: the request head when it was read already (a newcomer taken late)."""
         try:
-            head = await http1.read_head(reader, timeout_s=self.idle_timeout_s,
-                                         on_first_bytes=lambda: self.slots.started(writer))
+            if head is None:
+                head = await http1.read_head(reader, timeout_s=self.idle_timeout_s,
+                                             on_first_bytes=lambda: self.slots.started(writer))
         except http1.HeadTooLarge:
             return http1.error_answer(431, "headers_too_large",
                                       f"the request head is over {http1.MAX_HEAD} bytes"), "GET"

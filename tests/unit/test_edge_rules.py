@@ -151,12 +151,17 @@ def test_a_newcomer_with_its_whole_request_is_answered_beyond_a_full_fresh_port(
 
 
 def test_a_newcomer_refused_for_room_is_taken_when_its_request_comes_late():
+    """The late wait reads the newcomer's own data: the request that comes within LATE_S is
+    handed back to be answered, the silent newcomer is closed after LATE_S."""
     import asyncio
     import socket
 
     from supervisor.servers.connection_slots import LATE_S, Slots
 
-    async def scenario() -> tuple[bool, bool, int]:
+    request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    async def scenario() -> tuple[bytes | None, bytes | None, int]:
+        loop = asyncio.get_running_loop()
         aborted: list = []
         pairs = [socket.socketpair() for _ in range(4)]
         try:
@@ -164,16 +169,19 @@ def test_a_newcomer_refused_for_room_is_taken_when_its_request_comes_late():
             a, b, late, silent = (SlotWriter(ours, aborted) for ours, _ in pairs)
             assert slots.admit(a) and slots.admit(b)
             assert not slots.admit(late) and not slots.admit(silent)
-            asyncio.get_running_loop().call_later(LATE_S / 4, pairs[2][1].sendall,
-                                                  b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-            got_late, got_silent = await asyncio.gather(slots.admit_late(late), slots.admit_late(silent))
+            for ours, _ in pairs[2:]:
+                ours.setblocking(False)
+            loop.call_later(LATE_S / 4, pairs[2][1].sendall, request)
+            got_late = await slots.admit_late(late, lambda: loop.sock_recv(pairs[2][0], 4096))
+            got_silent = await slots.admit_late(silent, lambda: loop.sock_recv(pairs[3][0], 4096))
             return got_late, got_silent, slots.closed_early
         finally:
             for ours, theirs in pairs:
                 ours.close()
                 theirs.close()
 
-    assert asyncio.run(scenario()) == (True, False, 1)  # the silent one is closed after LATE_S
+    # the silent one is closed after LATE_S
+    assert asyncio.run(scenario()) == (request, None, 1)
 
 
 def test_a_connection_with_a_request_in_progress_never_makes_room():
