@@ -138,3 +138,44 @@ def test_insightface_loads_a_local_scrfd_onnx_without_network(tmp_path):
             assert r.status_code == 200 and isinstance(r.json()["faces"], list)
             info = httpx.get(svc.url + "/info").json()
             assert info["backend"] == "insightface" and info["model"] == str(model)
+
+
+def test_on_a_cpu_each_picture_runs_on_a_canvas_of_its_own_size_and_finds_the_same_faces():
+    """A CPU gains nothing from a stacked batch: each picture runs alone on a canvas rounded up
+    to 32 px (a 64x64 crop costs 64x64, not 640x640), and finds what the full canvas finds."""
+    import cv2
+    import onnxruntime as ort
+
+    from services.detect.backends import CenterFaceBackend, DetectItem
+    from services.detect.settings import DetectSettings
+
+    class CpuSetup:
+        device = "cpu"
+
+        def onnx_session(self, model):
+            return ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+
+        def onnx_run_options(self):
+            return None
+
+    backend = CenterFaceBackend(DetectSettings())
+    backend.load(CpuSetup())
+    assert backend.per_item
+    seen = []
+    run = backend.session.run
+    backend.session = type("Recording", (), {"run": lambda _s, names, feed, opts: (
+        seen.append(next(iter(feed.values())).shape), run(names, feed, opts))[1]})()
+    group = cv2.cvtColor(cv2.imdecode(np.frombuffer(group_photo_jpeg(), np.uint8), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
+    big = np.asarray(Image.fromarray(astronaut()).resize((1500, 1100)))
+    pictures = [group, astronaut(), astronaut()[100:164, 150:214], big]
+    items = [DetectItem(p, 0.5, None) for p in pictures]
+    own = backend.infer_batch(items)
+    assert group.shape[:2] == (886, 1280)  # resized to 443x640 first
+    assert seen == [(1, 3, 448, 640), (1, 3, 512, 512), (1, 3, 64, 64), (1, 3, 480, 640)]
+    backend.per_item = False  # the stacked batch on the full canvas, as on an accelerator
+    full = backend.infer_batch(items)
+    assert seen[-1] == (4, 3, 640, 640)
+    assert [len(f) for f in own] == [len(f) for f in full] and len(own[0]) == 6 and len(own[1]) == 1
+    for mine, theirs in zip(own, full, strict=True):
+        for a, b in zip(mine, theirs, strict=True):
+            assert np.allclose(a["box"], b["box"], atol=0.5) and abs(a["score"] - b["score"]) < 1e-3
