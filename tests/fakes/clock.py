@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import time
+import weakref
 
 
 class ManualClock:
@@ -48,6 +50,54 @@ class _Handle:
         self.cancelled = True
 
 
-async def settle(rounds: int = 6):
-    for _ in range(rounds):
-        await asyncio.sleep(0.002)
+class ThreadWork:
+    """The work a scripted history's loop hands to threads (asyncio.to_thread and every other
+    run_in_executor, whatever executor the supervisor installs), counted so that settle()
+    waits for it rather than for a fixed real time."""
+
+    def __init__(self):
+        self.submitted = 0
+        self.pending = 0
+
+    def count(self, loop: asyncio.AbstractEventLoop) -> None:
+        original = loop.run_in_executor
+
+        def run_in_executor(executor, func, *args):
+            future = original(executor, func, *args)
+            self.submitted += 1
+            self.pending += 1
+            future.add_done_callback(self._finished)
+            return future
+
+        loop.run_in_executor = run_in_executor  # type: ignore[method-assign]
+
+    def _finished(self, _future) -> None:  # on the loop's thread, as the future completes
+        self.pending -= 1
+
+
+_thread_work: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def count_thread_work(loop: asyncio.AbstractEventLoop) -> None:
+    """Make the loop's thread work visible to settle()."""
+    work = _thread_work[loop] = ThreadWork()
+    work.count(loop)
+
+
+async def settle(rounds: int = 6, limit_s: float = 30.0):
+    """Let the tasks run until they are waiting on the clock alone: a few turns of the loop,
+    again while work handed to a thread is unfinished or new (on a loaded machine a thread's
+    file or process-table call can outlast a fixed real-time pause, and the clock moved on
+    before the step it belonged to had played out)."""
+    work = _thread_work.get(asyncio.get_running_loop())
+    deadline = time.monotonic() + limit_s
+    seen = work.submitted if work is not None else 0
+    while True:
+        for _ in range(rounds):
+            await asyncio.sleep(0.002)
+        if work is None or time.monotonic() > deadline:
+            return
+        pending, submitted = work.pending, work.submitted
+        if pending == 0 and submitted == seen:
+            return
+        seen = submitted if pending == 0 else -1

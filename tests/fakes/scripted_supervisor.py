@@ -19,7 +19,7 @@ from supervisor.driver.logs import LogSink
 from supervisor.driver.sampler import Sampler
 from supervisor.driver.supervisor import Supervisor
 from supervisor.policy.plan import CpuQuota, build_plan
-from tests.fakes.clock import ManualClock, settle
+from tests.fakes.clock import ManualClock, count_thread_work, settle
 from tests.fakes.os_layer import ScriptedOs
 
 
@@ -79,6 +79,7 @@ def make(tmp_path, names=("a", "b"), stubborn=(), port_problem=None, gpu=None, *
 def history(s, clock, steps):
     """Run the supervisor through steps: numbers advance the clock, callables act."""
     async def main():
+        count_thread_work(asyncio.get_running_loop())
         task = asyncio.create_task(s.run())
         await settle()
         for step in steps:

@@ -83,6 +83,20 @@ def test_a_startup_deadline_still_fails_a_service_that_is_not_ready(tmp_path):
     assert script.calls[("a", "/readyz")] >= 2
 
 
+def test_a_history_replays_the_same_when_the_work_handed_to_threads_is_slow(tmp_path):
+    """The scripted clock waits for the supervisor's thread work (here the port check, as
+    slow as on a loaded machine) before it moves on: the history is the same as above."""
+    import time
+
+    def slow_port_check(host, port):
+        time.sleep(0.2)
+
+    s, fake, clock, script, out = make(tmp_path, startup_timeout_s=1, port_problem=slow_port_check)
+    script.set("a", "/readyz", 503)
+    assert history(s, clock, [2.0]) == 3
+    assert script.calls[("a", "/readyz")] >= 2
+
+
 def test_a_liveness_round_that_outlasted_its_timeout_is_probed_again_not_counted(tmp_path):
     """A frozen supervisor's in-flight probes time out when it resumes: not a miss."""
     s, fake, clock, script, out = make(tmp_path, liveness_failures=1, liveness_timeout_s=1.0)
