@@ -172,6 +172,9 @@ def test_on_a_cpu_each_picture_runs_on_a_canvas_of_its_own_size_and_finds_the_sa
     own = backend.infer_batch(items)
     assert group.shape[:2] == (886, 1280)  # resized to 443x640 first
     assert seen == [(1, 3, 448, 640), (1, 3, 512, 512), (1, 3, 64, 64), (1, 3, 480, 640)]
+    seen.clear()
+    backend.infer_batch(backend.warmup_items()[:1])  # what warm-up measures: the most an item costs
+    assert seen == [(1, 3, 640, 640)]
     backend.per_item = False  # the stacked batch on the full canvas, as on an accelerator
     full = backend.infer_batch(items)
     assert seen[-1] == (4, 3, 640, 640)
