@@ -64,6 +64,7 @@ class Slots:
         self._busy: set[Any] = set()          # request complete: being answered
         self._overflow: set[Any] = set()      # taken beyond the limit with a whole request
         self._late = 0                        # newcomers waiting for their request (admit_late)
+        self._left: asyncio.Future | None = None  # done when a connection leaves (admit_late)
         self.closed_early = 0                 # closed to make room, and newcomers refused
 
     def __len__(self) -> int:
@@ -105,30 +106,43 @@ class Slots:
 
     async def admit_late(self, writer: Any, read_request: Callable[[], Awaitable[Request]]) -> Request | None:
         """A newcomer admit() found no room for: ``read_request()`` reads its whole request,
-        and the request is returned if it came within LATE_S and there is room for it then
-        (a slot that came free, or beyond the limit); else None (counted as closed early).
-        The wait is on the connection's own data, no polling. At most LATE_PER_SLOT x `limit`
-        wait at once: past that, newcomers are refused at once. The wait also paces clients
-        that reconnect the moment they are closed."""
-        request = None
+        and the request is returned if it came within LATE_S and room came for it by then (a
+        slot, or a place beyond the limit: those answers are quick); else None (counted as
+        closed early). The waits are on the connection's own data and on a connection
+        leaving, no polling. At most LATE_PER_SLOT x `limit` wait at once: past that,
+        newcomers are refused at once. The wait also paces clients that reconnect the moment
+        they are closed."""
         if self._late < LATE_PER_SLOT * self.limit:
             self._late += 1
+            deadline = asyncio.get_running_loop().time() + LATE_S
             try:
                 request = await asyncio.wait_for(read_request(), LATE_S)
+                if await self._room_by(deadline):
+                    if len(self) >= self.limit:
+                        self._overflow.add(writer)
+                    self._busy.add(writer)
+                    return request
             except (TimeoutError, OSError, asyncio.IncompleteReadError, HeadTooLarge, HeadTimeout):
-                request = None
+                pass
             finally:
                 self._late -= 1
-        if request is not None:
-            if len(self) < self.limit:
-                self._busy.add(writer)
-                return request
-            if len(self._overflow) < OVERFLOW:
-                self._overflow.add(writer)
-                self._busy.add(writer)
-                return request
         self.closed_early += 1
         return None
+
+    async def _room_by(self, deadline: float) -> bool:
+        """Wait until there is room (a slot, or a place beyond the limit) or the deadline."""
+        loop = asyncio.get_running_loop()
+        while len(self) >= self.limit and len(self._overflow) >= OVERFLOW:
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            if self._left is None:
+                self._left = loop.create_future()
+            try:  # shielded: one waiter's timeout must not cancel what the others wait on
+                await asyncio.wait_for(asyncio.shield(self._left), left)
+            except TimeoutError:
+                return False
+        return True
 
     def started(self, writer: Any) -> None:
         """It sent its first bytes."""
@@ -146,6 +160,9 @@ class Slots:
         self._partial.pop(writer, None)
         self._busy.discard(writer)
         self._overflow.discard(writer)
+        left, self._left = self._left, None
+        if left is not None and not left.done():
+            left.set_result(None)  # late newcomers waiting for room look again
 
 
 class ClosableServer:

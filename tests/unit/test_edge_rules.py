@@ -184,6 +184,46 @@ def test_a_newcomer_refused_for_room_is_taken_when_its_request_comes_late():
     assert asyncio.run(scenario()) == (request, None, 1)
 
 
+def test_a_late_newcomer_whose_request_is_in_waits_for_room_until_its_deadline():
+    """A burst of whole probes fills the places beyond the limit: one more, late, is taken
+    when an answered one leaves (answers are quick), not refused at once."""
+    import asyncio
+    import socket
+
+    from supervisor.servers.connection_slots import LATE_S, OVERFLOW, Slots
+
+    request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    async def scenario() -> tuple[bytes | None, bytes | None]:
+        loop = asyncio.get_running_loop()
+        aborted: list = []
+        pairs = [socket.socketpair() for _ in range(2 + OVERFLOW + 2)]
+        try:
+            slots = Slots(2, clock=lambda: 0.0)
+            writers = [SlotWriter(ours, aborted) for ours, _ in pairs]
+            for _, theirs in pairs:
+                theirs.sendall(request)
+            for w in writers[:2]:
+                assert slots.admit(w)
+                slots.working(w)
+            assert all(slots.admit(w) for w in writers[2:2 + OVERFLOW])  # the places beyond, all taken
+            late, too_late = writers[-2], writers[-1]
+            assert not slots.admit(late) and not slots.admit(too_late)
+            for ours, _ in pairs[-2:]:
+                ours.setblocking(False)
+            loop.call_later(LATE_S / 4, slots.leave, writers[2])  # one answered, gone
+            return await asyncio.gather(
+                slots.admit_late(late, lambda: loop.sock_recv(pairs[-2][0], 4096)),
+                slots.admit_late(too_late, lambda: asyncio.sleep(LATE_S / 2, b"GET / HTTP/1.1\r\n\r\n")))
+        finally:
+            for ours, theirs in pairs:
+                ours.close()
+                theirs.close()
+
+    # the first takes the place that came free; the second finds none before its deadline
+    assert asyncio.run(scenario()) == [request, None]
+
+
 def test_a_connection_with_a_request_in_progress_never_makes_room():
     room, closed, c = room_of(2)
     for name in ("a", "b"):
