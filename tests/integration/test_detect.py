@@ -182,3 +182,45 @@ def test_on_a_cpu_each_picture_runs_on_a_canvas_of_its_own_size_and_finds_the_sa
     for mine, theirs in zip(own, full, strict=True):
         for a, b in zip(mine, theirs, strict=True):
             assert np.allclose(a["box"], b["box"], atol=0.5) and abs(a["score"] - b["score"]) < 1e-3
+
+
+def test_on_a_cpu_what_a_picture_weighs_follows_what_its_call_costs():
+    """The cost model keeps its time curve per unit of the warm-up item's work (item_work):
+    a tiny picture's weight against a full canvas's must be near its time against it, or a
+    stream of tiny pictures teaches the curve that a full canvas takes seconds. Compared
+    within 4x either way (the fastest of 5 calls each, same process)."""
+    import time
+
+    import onnxruntime as ort
+
+    from services.detect.backends import CenterFaceBackend, DetectItem
+    from services.detect.settings import DetectSettings
+
+    class CpuSetup:
+        device = "cpu"
+
+        def onnx_session(self, model):
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = 1
+            return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+        def onnx_run_options(self):
+            return None
+
+    backend = CenterFaceBackend(DetectSettings())
+    backend.load(CpuSetup())
+    full = backend.warmup_items()[0]
+    tiny = DetectItem(astronaut()[200:208, 200:208], 0.5, None)
+
+    def fastest(item):
+        times = []
+        for _ in range(5):
+            began = time.perf_counter()
+            backend.infer_batch([item])
+            times.append(time.perf_counter() - began)
+        return min(times)
+
+    backend.infer_batch([full])
+    time_ratio = fastest(tiny) / fastest(full)
+    work_ratio = backend.item_work(tiny) / backend.item_work(full)
+    assert time_ratio / 4 <= work_ratio <= time_ratio * 4, (work_ratio, time_ratio)
