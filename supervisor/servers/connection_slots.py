@@ -14,8 +14,9 @@ A connection accepted under ``FRESH_S`` ago never makes room: on a loaded machin
 client may be descheduled between its connect and its send, and reconnecting holders turned
 the slots over so fast that it was closed, silent, before its request came (a probe failure).
 A newcomer that finds no room waits up to ``LATE_S`` for its whole request (at most
-``LATE_PER_SLOT`` per slot at once, holding no slot): one that comes is answered beyond the
-limit (at most ``OVERFLOW`` of them), the others are closed. Holders that reconnect the
+``LATE_PER_SLOT`` per slot at once, holding no slot): one that comes is answered in a slot
+that came free or beyond the limit (at most ``OVERFLOW`` of them, waiting for one of those
+to leave if need be, within the same ``LATE_S``), the others are closed. Holders that reconnect the
 moment they are closed are paced by that wait, instead of turning the slots over at the
 loop's speed.
 """
