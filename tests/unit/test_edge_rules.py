@@ -4,7 +4,10 @@ and JSON items counted before parsing (the service routes and the jobs envelope 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+from collections.abc import Iterator
 
 import pytest
 
@@ -54,6 +57,18 @@ class SocketTransport:
         return self.sock if name == "socket" else None
 
 
+@contextlib.contextmanager
+def socket_pairs(n: int) -> Iterator[list[tuple[socket.socket, socket.socket]]]:
+    """n connected socket pairs (ours, theirs), all closed at the end, whatever happens."""
+    pairs = [socket.socketpair() for _ in range(n)]
+    try:
+        yield pairs
+    finally:
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
+
+
 class SlotWriter(SocketTransport):
     """A stream writer as the supervisor's slots see it: its socket, and an abort that is noted."""
 
@@ -65,53 +80,38 @@ class SlotWriter(SocketTransport):
 def test_an_idle_connection_whose_request_arrived_unread_is_not_the_one_closed():
     """On a busy loop a probe's connection is accepted before its request is read: when the
     room is full, the one that really sent nothing gives way, not the one with bytes waiting."""
-    import socket
 
     room, closed, c = room_of(2)
-    pairs = [socket.socketpair() for _ in range(2)]
-    try:
+    with socket_pairs(2) as pairs:
         for name, (ours, _) in zip("ab", pairs, strict=True):
             c[name] = Conn(name, closed)
             c[name].transport = SocketTransport(ours)
             room.no_request(c[name])
         pairs[0][1].sendall(b"GET /healthz HTTP/1.1\r\n\r\n")  # a's request, in its socket, unread
         assert room.make_room(2) and closed == ["b"]
-    finally:
-        for ours, theirs in pairs:
-            ours.close()
-            theirs.close()
 
 
 def test_the_supervisors_slots_spare_a_connection_whose_request_arrived_unread():
-    import socket
-
     from supervisor.servers.connection_slots import Slots
 
     aborted: list = []
-    pairs = [socket.socketpair() for _ in range(3)]
-    try:
+    with socket_pairs(3) as pairs:
         slots = Slots(2, fresh_s=0.0)  # order alone decides here
         a, b, newcomer = (SlotWriter(ours, aborted) for ours, _ in pairs)
         assert slots.admit(a) and slots.admit(b)
         pairs[0][1].sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
         assert slots.admit(newcomer) and aborted == [b]
-    finally:
-        for ours, theirs in pairs:
-            ours.close()
-            theirs.close()
 
 
 def test_the_supervisors_slots_never_close_a_fresh_connection_to_make_room():
     """A probe's client descheduled between its connect and its send looks silent: while it
     is under FRESH_S old it keeps its place, and a silent newcomer is the one turned away."""
-    import socket
 
     from supervisor.servers.connection_slots import FRESH_S, Slots
 
     now = [100.0]
     aborted: list = []
-    pairs = [socket.socketpair() for _ in range(4)]
-    try:
+    with socket_pairs(4) as pairs:
         slots = Slots(2, clock=lambda: now[0])
         a, b, newcomer, later = (SlotWriter(ours, aborted) for ours, _ in pairs)
         assert slots.admit(a)
@@ -121,20 +121,13 @@ def test_the_supervisors_slots_never_close_a_fresh_connection_to_make_room():
         now[0] += FRESH_S / 2
         assert slots.admit(later) and aborted == [a]        # a has settled; b is still fresh
         assert slots.closed_early == 1
-    finally:
-        for ours, theirs in pairs:
-            ours.close()
-            theirs.close()
 
 
 def test_a_newcomer_with_its_whole_request_is_answered_beyond_a_full_fresh_port():
-    import socket
-
     from supervisor.servers.connection_slots import OVERFLOW, Slots
 
     aborted: list = []
-    pairs = [socket.socketpair() for _ in range(OVERFLOW + 4)]
-    try:
+    with socket_pairs(OVERFLOW + 4) as pairs:
         slots = Slots(2, clock=lambda: 0.0)
         writers = [SlotWriter(ours, aborted) for ours, _ in pairs]
         assert slots.admit(writers[0]) and slots.admit(writers[1])
@@ -144,17 +137,12 @@ def test_a_newcomer_with_its_whole_request_is_answered_beyond_a_full_fresh_port(
         assert taken == [True] * OVERFLOW + [False] * 2 and aborted == []  # beyond, up to OVERFLOW
         slots.leave(writers[2])
         assert slots.admit(writers[-1])  # one answered and gone: room beyond again
-    finally:
-        for ours, theirs in pairs:
-            ours.close()
-            theirs.close()
 
 
 def test_a_newcomer_refused_for_room_is_taken_when_its_request_comes_late():
     """The late wait reads the newcomer's own data: the request that comes within LATE_S is
     handed back to be answered, the silent newcomer is closed after LATE_S."""
     import asyncio
-    import socket
 
     from supervisor.servers.connection_slots import LATE_S, Slots
 
@@ -163,8 +151,7 @@ def test_a_newcomer_refused_for_room_is_taken_when_its_request_comes_late():
     async def scenario() -> tuple[bytes | None, bytes | None, int]:
         loop = asyncio.get_running_loop()
         aborted: list = []
-        pairs = [socket.socketpair() for _ in range(4)]
-        try:
+        with socket_pairs(4) as pairs:
             slots = Slots(2)
             a, b, late, silent = (SlotWriter(ours, aborted) for ours, _ in pairs)
             assert slots.admit(a) and slots.admit(b)
@@ -175,10 +162,6 @@ def test_a_newcomer_refused_for_room_is_taken_when_its_request_comes_late():
             got_late = await slots.admit_late(late, lambda: loop.sock_recv(pairs[2][0], 4096))
             got_silent = await slots.admit_late(silent, lambda: loop.sock_recv(pairs[3][0], 4096))
             return got_late, got_silent, slots.closed_early
-        finally:
-            for ours, theirs in pairs:
-                ours.close()
-                theirs.close()
 
     # the silent one is closed after LATE_S
     assert asyncio.run(scenario()) == (request, None, 1)
@@ -188,7 +171,6 @@ def test_a_late_newcomer_whose_request_is_in_waits_for_room_until_its_deadline()
     """A burst of whole probes fills the places beyond the limit: one more, late, is taken
     when an answered one leaves (answers are quick), not refused at once."""
     import asyncio
-    import socket
 
     from supervisor.servers.connection_slots import LATE_S, OVERFLOW, Slots
 
@@ -197,8 +179,7 @@ def test_a_late_newcomer_whose_request_is_in_waits_for_room_until_its_deadline()
     async def scenario() -> tuple[bytes | None, bytes | None]:
         loop = asyncio.get_running_loop()
         aborted: list = []
-        pairs = [socket.socketpair() for _ in range(2 + OVERFLOW + 2)]
-        try:
+        with socket_pairs(2 + OVERFLOW + 2) as pairs:
             slots = Slots(2, clock=lambda: 0.0)
             writers = [SlotWriter(ours, aborted) for ours, _ in pairs]
             for _, theirs in pairs:
@@ -215,10 +196,6 @@ def test_a_late_newcomer_whose_request_is_in_waits_for_room_until_its_deadline()
             return await asyncio.gather(
                 slots.admit_late(late, lambda: loop.sock_recv(pairs[-2][0], 4096)),
                 slots.admit_late(too_late, lambda: asyncio.sleep(LATE_S / 2, b"GET / HTTP/1.1\r\n\r\n")))
-        finally:
-            for ours, theirs in pairs:
-                ours.close()
-                theirs.close()
 
     # the first takes the place that came free; the second finds none before its deadline
     assert asyncio.run(scenario()) == [request, None]
@@ -414,8 +391,7 @@ def test_a_lingering_socket_drops_what_arrives_and_the_oldest_makes_room_for_a_n
     async def scenario():
         loop = asyncio.get_running_loop()
         lingering = LingeringClose(limit=1, idle_s=30)
-        pairs = [socket.socketpair() for _ in range(2)]
-        try:
+        with socket_pairs(2) as pairs:
             for _ours, theirs in pairs:
                 theirs.sendall(b"x" * 1000)  # a body the service never read
                 await asyncio.sleep(0.01)
@@ -431,10 +407,6 @@ def test_a_lingering_socket_drops_what_arrives_and_the_oldest_makes_room_for_a_n
             pairs[1][1].shutdown(socket.SHUT_WR)  # the newer client is done sending: it lingers until then
             await asyncio.sleep(0.05)
             assert lingering.count == 0
-        finally:
-            for ours, theirs in pairs:
-                ours.close()
-                theirs.close()
 
     asyncio.run(scenario())
 
@@ -909,13 +881,11 @@ def test_the_door_answers_only_a_plain_get_of_healthz_and_never_raises():
 def test_the_supervisors_slots_never_close_a_connection_whose_whole_request_waits_unread():
     """No silent connection left to close: of those with bytes, one whose whole request is in
     its socket (a probe about to be answered) is spared; a half-sent head makes room."""
-    import socket
 
     from supervisor.servers.connection_slots import Slots
 
     aborted: list = []
-    pairs = [socket.socketpair() for _ in range(4)]
-    try:
+    with socket_pairs(4) as pairs:
         slots = Slots(2, fresh_s=0.0)  # order alone decides here
         probe, half, newcomer, last = (SlotWriter(ours, aborted) for ours, _ in pairs)
         pairs[0][1].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -924,7 +894,3 @@ def test_the_supervisors_slots_never_close_a_connection_whose_whole_request_wait
         assert slots.admit(newcomer) and aborted == [half]
         pairs[2][1].sendall(b"GET /readyz HTTP/1.1\r\n\r\n")
         assert not slots.admit(last) and aborted == [half]  # both waiting are whole: refused
-    finally:
-        for ours, theirs in pairs:
-            ours.close()
-            theirs.close()
