@@ -84,3 +84,51 @@ def test_mime_wrapped_base64_and_data_urls_are_taken():
     check_image_b64("data:image/png;base64," + text, "image", LIMITS)
     with Image.open(io.BytesIO(png)) as im:
         assert im.size == (12, 10)
+
+
+class _ScanSpy:
+    """Stands in for the whole-text alphabet check: records the length of every text scanned."""
+
+    def __init__(self, real):
+        self.real, self.scanned = real, []
+
+    def fullmatch(self, text):
+        self.scanned.append(len(text))
+        return self.real.fullmatch(text)
+
+
+@pytest.fixture
+def scans(monkeypatch) -> list[int]:
+    spy = _ScanSpy(payload.B64_RE)
+    monkeypatch.setattr(payload, "B64_RE", spy)
+    return spy.scanned
+
+
+@pytest.mark.parametrize("data,limits,status,code", [
+    (b"\0" * 3_000_000, LIMITS, 415, "unsupported_image"),   # junk: its first bytes are no picture
+    (b"GIF89a" + b"\0" * 3_000_000, LIMITS, 415, "unsupported_image"),
+    (encode(np.zeros((8, 8, 3), np.uint8)) + b"\0" * 3_000_000, Limits(2_000_000, 10**6), 413, "image_too_large"),
+])
+def test_a_field_of_junk_or_of_too_many_bytes_is_refused_before_its_whole_text_is_scanned(scans, data, limits,
+                                                                                         status, code):
+    text = b64(data)
+    for field in (text, text[:-8] + "*" + text[-7:]):  # a bad character near its end is never reached
+        with pytest.raises(ApiError) as err:
+            check_image_b64(field, "image", limits)
+        assert (err.value.status, err.value.code) == (status, code)
+    assert scans == []
+
+
+def test_a_picture_within_the_limits_has_its_whole_text_checked(scans):
+    png = encode(np.zeros((8, 8, 3), np.uint8)) + b"\0" * 300_000
+    text = b64(png)
+    check_image_b64(text, "image", LIMITS)
+    assert scans == [len(text)]
+    bad = text[:200_000] + "*" + text[200_001:]  # past the first bytes decoded: found by the whole-text check
+    with pytest.raises(ApiError) as err:
+        check_image_b64(bad, "image", LIMITS)
+    assert (err.value.status, err.value.code) == (400, "bad_base64")
+    spaced = text[:200_000] + " " + text[200_001:]
+    with pytest.raises(ApiError) as err:
+        check_image_b64(spaced, "image", LIMITS)
+    assert err.value.code == "bad_base64"
