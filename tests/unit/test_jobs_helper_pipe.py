@@ -109,3 +109,29 @@ def test_a_helper_runs_below_the_event_loops_priority(pool):
     with open(f"/proc/{helper.proc.pid}/stat") as fh:
         nice = int(fh.read().rsplit(")", 1)[1].split()[16])
     assert nice >= min(19, os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICENESS)
+
+
+def test_the_threads_that_move_big_submits_to_a_helper_run_below_the_event_loop(monkeypatch):
+    """Writing 27 MB into a helper's pipe is the kernel's copy, charged to the thread that
+    writes: it too yields to the loop and its probes."""
+    import asyncio
+    import threading
+
+    from services.jobs.service import JobsService
+    from services.jobs.settings import JobsSettings
+    from services.runtime.device.threads import WORKER_NICENESS
+    svc = JobsService("jobs", JobsSettings())
+    seen: list[int] = []
+
+    def call(fn, args, data):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        raise HelperGone("not started in this test")  # the service then checks it itself
+    monkeypatch.setattr(svc.helpers, "call", call)
+    try:
+        assert asyncio.run(svc.is_json(b"[" + b"1," * 600_000 + b"1]")) is True
+    finally:
+        svc._helper_threads.shutdown(wait=True)
+        svc.executor.shutdown(wait=True)
+        svc.helpers.close()
+    here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen and seen[0] >= min(19, here + WORKER_NICENESS)
