@@ -87,3 +87,61 @@ def test_junk_right_after_the_start_of_image_is_still_refused_as_pillow_refuses_
     with pytest.raises(ApiError) as err:
         probe_image(base[:2] + b"\x00\x00" + base[2:], DecodeLimits(max_pixels=10**8))
     assert err.value.status in (400, 415)
+
+
+def with_fill(data: bytes, n: int) -> bytes:
+    """`n` fill bytes (0xFF) before the second segment: any number is allowed (T.81 B.1.1.2)."""
+    end = 4 + struct.unpack(">H", data[4:6])[0]
+    return data[:end] + b"\xff" * n + data[end:]
+
+
+@pytest.mark.parametrize("where", ["after the first segment", "right after the start of image"])
+def test_fill_bytes_are_skipped_whole_and_pillow_is_shown_the_header_without_them(monkeypatch, where):
+    base = I.progressive_jpeg()
+    n = 4 << 20
+    data = with_fill(base, n) if where != "right after the start of image" else base[:2] + b"\xff" * n + base[2:]
+    size = Image.open(io.BytesIO(base)).size
+    assert cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR).shape[:2] == size[::-1]
+    shape = jpeg.walk(data, 1000, 1000)
+    assert shape == jpeg.walk(base, 1000, 1000)  # the same segments and scans
+    assert sum(end - start for start, end in shape.junk) >= n
+    # one run is one step of the walk, not one per byte: the byte-at-a-time walk read each one
+    reads = _count_index_reads(monkeypatch, data)
+    assert reads < 1000
+    seen: list[int] = []
+    real = Image.open
+
+    def open_(fp, *a, **k):
+        seen.append(len(fp.getbuffer()))
+        return real(fp, *a, **k)
+    monkeypatch.setattr(images.Image, "open", open_)
+    header = probe_image(data, DecodeLimits(max_pixels=10**8))
+    assert (header.format, header.width, header.height) == ("JPEG", *size)
+    assert seen and max(seen) < 64 * 1024
+
+
+@pytest.mark.parametrize("tail", [b"\xff" * (1 << 20), b"\xff" + b"\x00" * (1 << 20)])
+def test_fill_and_junk_bytes_up_to_the_end_are_cut_too(tail):
+    """With no marker after them Pillow refuses the file, after stepping through every byte."""
+    data = b"\xff\xd8" + tail
+    shape = jpeg.walk(data, 10, 10)
+    assert len(jpeg.header_for_pillow(data, shape)) <= 4
+    with pytest.raises(ApiError) as err:
+        probe_image(data, DecodeLimits(max_pixels=10**8))
+    assert err.value.status == 400
+
+
+class _CountingBytes(bytes):
+    """bytes that count how often the walk indexes one of them."""
+    reads = 0
+
+    def __getitem__(self, key):
+        if isinstance(key, int):
+            type(self).reads += 1
+        return super().__getitem__(key)
+
+
+def _count_index_reads(monkeypatch, data: bytes) -> int:
+    _CountingBytes.reads = 0
+    jpeg.walk(_CountingBytes(data), 1000, 1000)
+    return _CountingBytes.reads

@@ -18,6 +18,7 @@ SOI, EOI, SOS = 0xD8, 0xD9, 0xDA
 # a restart marker (D0-D7) or fill bytes.
 _NEXT_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
 _STANDALONE = frozenset(range(0xD0, 0xD8)) | {0x01}
+_FILL_BLOCK = b"\xff" * (1 << 16)
 
 
 # APP1 "Exif" and APP2 "MPF" blocks are TIFF structures that Pillow parses tag by tag in
@@ -37,7 +38,7 @@ class JpegShape:
     header_end: int = field(default=0, compare=False)
     tiff_markers: tuple[int, ...] = field(default=(), compare=False)
     exif: bytes | None = field(default=None, compare=False)
-    # (start, end) of the extraneous bytes skipped before the header's end
+    # (start, end) of the extraneous and fill bytes skipped before the header's end
     junk: tuple[tuple[int, int], ...] = field(default=(), compare=False)
 
 
@@ -47,9 +48,10 @@ class JpegLimitError(Exception):
         self.what, self.count, self.limit = what, count, limit
 
 
-def walk(data: bytes, max_scans: int, max_markers: int) -> JpegShape:
+def walk(data: bytes, max_scans: int, max_markers: int, header_only: bool = False) -> JpegShape:
     """Count scans and segments; raise JpegLimitError as soon as one is over its limit.
-    A malformed structure just ends the walk: the decoder reports corruption itself."""
+    A malformed structure just ends the walk: the decoder reports corruption itself.
+    ``header_only``: stop at the first scan (what Pillow reads to know the format and size)."""
     n = len(data)
     if data[:2] != bytes((0xFF, SOI)):  # not a JPEG: nothing to walk
         return JpegShape(0, 0, False)
@@ -61,15 +63,26 @@ def walk(data: bytes, max_scans: int, max_markers: int) -> JpegShape:
             # warning) and decodes the rest, Pillow skips them too. Stopping here hid every
             # scan after a junk byte from the limits.
             m = _NEXT_MARKER.search(data, pos + 1)
+            end = n if m is None else m.start()
+            # (Pillow refuses a file whose SOI no 0xFF follows at once: it still sees that one.
+            # Junk with no marker after it is cut too: Pillow stepped through 15 MB of it in 1.4 s.)
+            if not header_end and (pos > 2 or data[2] == 0xFF):
+                junk.append((pos, end))
             if m is None:
                 break
-            if not header_end and pos > 2:  # (right after SOI, Pillow refuses the file: it still sees it)
-                junk.append((pos, m.start()))
-            pos = m.start()
+            pos = end
             continue
         marker = data[pos + 1]
-        if marker == 0xFF:          # fill byte before a marker
-            pos += 1
+        if marker == 0xFF:
+            # Fill bytes before a marker, any number of them (B.1.1.2): skipped a block at a
+            # time, not a byte at a time (20 MB of them took this walk 2.8 s), and cut from the
+            # header Pillow reads, which steps through them a byte at a time too.
+            end = _fill_end(data, pos + 2) - 1  # the last 0xFF is the marker's own
+            if not header_end:
+                junk.append((pos, end))
+            if end + 1 >= n:
+                break
+            pos = end
             continue
         if marker == EOI:
             break
@@ -96,11 +109,27 @@ def walk(data: bytes, max_scans: int, max_markers: int) -> JpegShape:
             scans += 1
             if scans > max_scans:
                 raise JpegLimitError("JPEG scans", scans, max_scans)
+            if header_only:
+                break
             m = _NEXT_MARKER.search(data, pos)
             if m is None:
                 break
             pos = m.start()
     return JpegShape(scans, markers, progressive, header_end or n, tuple(tiff), exif, tuple(junk))
+
+
+def _fill_end(data: bytes, pos: int) -> int:
+    """The first index from ``pos`` on whose byte is not 0xFF, else len(data): blocks compared
+    whole (memcmp speed: 3 ms for 20 MB; a regex search took 140 ms with the GIL held),
+    growing from 64 bytes so that the usual one or two fill bytes cost little."""
+    n, step = len(data), 64
+    while pos < n:
+        window = data[pos:pos + step]
+        if window != (_FILL_BLOCK if len(window) == len(_FILL_BLOCK) else _FILL_BLOCK[:len(window)]):
+            return pos + len(window) - len(window.lstrip(b"\xff"))
+        pos += len(window)
+        step = min(2 * step, len(_FILL_BLOCK))
+    return n
 
 
 def header_for_pillow(data: bytes, shape: JpegShape) -> bytes:
