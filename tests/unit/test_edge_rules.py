@@ -894,3 +894,45 @@ def test_the_supervisors_slots_never_close_a_connection_whose_whole_request_wait
         assert slots.admit(newcomer) and aborted == [half]
         pairs[2][1].sendall(b"GET /readyz HTTP/1.1\r\n\r\n")
         assert not slots.admit(last) and aborted == [half]  # both waiting are whole: refused
+
+
+def test_lingering_sockets_ready_together_are_read_one_by_one_within_the_rate():
+    """Twenty sockets with a refused body's bytes waiting, all readable in the same turn of the
+    loop: they are not all read in it (200 refused 30 MB uploads drained 200 MiB in one turn,
+    20 ms of the kernel's work between two probes). What is read keeps within the burst and the
+    rate, each socket's read is booked in turn (not all woken together every time the rate
+    allows one), and every byte is still drained."""
+    import asyncio
+    import socket
+
+    from services.runtime.edge.lingering_close import DrainRate, LingeringClose
+
+    rate, burst, each, n = 4 << 20, 256 << 10, 100_000, 20
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        lingering = LingeringClose(limit=64, idle_s=30, total_s=60)
+        lingering.drain_rate = DrainRate(rate, burst)
+        pairs = [socket.socketpair() for _ in range(n)]
+        try:
+            for ours, theirs in pairs:
+                ours.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+                theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+                theirs.sendall(b"b" * each)
+            t0 = loop.time()
+            for ours, _theirs in pairs:
+                assert lingering.adopt(loop, ours, body_unfinished=True)
+                ours.close()
+            await asyncio.sleep(0.02)
+            early = lingering.drained_bytes
+            assert early <= burst + each + rate * (loop.time() - t0), early
+            while lingering.drained_bytes < n * each and loop.time() - t0 < 10:
+                await asyncio.sleep(0.02)
+            assert lingering.drained_bytes == n * each
+            assert lingering.paused <= 2 * n  # about once a socket: booked, then read
+        finally:
+            for ours, theirs in pairs:
+                ours.close()
+                theirs.close()
+
+    asyncio.run(scenario())
