@@ -62,9 +62,9 @@ def port_free(port: int) -> bool:
     return True
 
 
-def kill_quietly(pid: int) -> None:
+def kill_quietly(pid: int, sig: int = signal.SIGKILL) -> None:
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
     except OSError:
         pass
 
@@ -169,9 +169,10 @@ def test_the_next_start_ends_what_a_dead_unit_left_and_says_so(tmp_path, mode):
         pid = server_pid(first, pidfile)
         try:
             first.record_tree()
-            for p in first.seen.values():  # the supervisor, its sentinel, the wrapper
-                if p.pid != pid:
-                    kill_quietly(p.pid)
+            others = [p.pid for p in first.seen.values() if p.pid != pid]  # the supervisor, its sentinel, the wrapper
+            for sig in (signal.SIGSTOP, signal.SIGKILL):  # all frozen first: none sees another die and cleans up
+                for other in others:
+                    kill_quietly(other, sig)
             first.wait_exit(5)
             time.sleep(0.5)
             assert psutil.Process(pid).is_running() and not port_free(port)
