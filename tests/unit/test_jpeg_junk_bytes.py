@@ -145,3 +145,17 @@ def _count_index_reads(monkeypatch, data: bytes) -> int:
     _CountingBytes.reads = 0
     jpeg.walk(_CountingBytes(data), 1000, 1000)
     return _CountingBytes.reads
+
+
+def test_many_fill_runs_and_an_exif_block_all_come_out_of_pillows_header():
+    base = I.progressive_jpeg()
+    end = 4 + struct.unpack(">H", base[4:6])[0]
+    segments = [exif_segment(3)] + [b"\xff\xfe" + struct.pack(">H", 6) + bytes([i, i, i, i]) for i in range(50)]
+    filled = base[:end] + b"".join(b"\xff" * (i % 5 + 1) + seg for i, seg in enumerate(segments)) + base[end:]
+    plain = base[:end] + b"".join(segments) + base[end:]
+    shape = jpeg.walk(filled, 1000, 1000)
+    assert len(shape.junk) == len(segments)  # one run before each: the last 0xFF of each is the marker's own
+    expected = bytearray(plain[:jpeg.walk(plain, 1000, 1000).header_end])
+    expected[end + 1] = jpeg.APP15  # the EXIF block renamed (its marker byte)
+    assert jpeg.header_for_pillow(filled, shape) == bytes(expected)
+    assert Image.open(io.BytesIO(jpeg.header_for_pillow(filled, shape))).size == Image.open(io.BytesIO(base)).size

@@ -140,9 +140,20 @@ def header_for_pillow(data: bytes, shape: JpegShape) -> bytes:
     time in Python (36 ns a byte, with the GIL held: 0.7 s for a 20 MB body of them)."""
     if not shape.tiff_markers and not shape.junk:
         return data
-    head = bytearray(data[:shape.header_end])
-    for at in shape.tiff_markers:
-        head[at] = APP15
-    for start, end in reversed(shape.junk):
-        del head[start:end]
-    return bytes(head)
+    if shape.tiff_markers:
+        head = bytearray(data[:shape.header_end])
+        for at in shape.tiff_markers:
+            head[at] = APP15
+        if not shape.junk:
+            return bytes(head)
+        view = memoryview(head)
+    else:
+        view = memoryview(data)[:shape.header_end]
+    # the kept stretches joined once: deleting each run in place moved the rest of the header
+    # every time (quadratic: 250 fill runs before 16 MB of segments took 87 ms)
+    kept, at = [], 0
+    for start, end in shape.junk:  # in order, apart
+        kept.append(view[at:start])
+        at = max(at, end)
+    kept.append(view[at:])
+    return b"".join(kept)
