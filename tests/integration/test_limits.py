@@ -459,15 +459,17 @@ def test_concurrent_uploads_take_turns_and_every_one_is_read_whole(svc):
     assert _metric(svc, "onecard_upload_reads_deferred_total") > before
 
 
-def test_a_probe_is_answered_ahead_of_requests_read_in_the_same_turn(svc):
-    """30 requests (each building a 2 MiB answer) and then a /healthz arrive while the loop is
-    held (GET /block): when it turns again, all of them are read in one turn. At most a few
-    start per turn, the probe at once, so its answer is out before most of theirs (before, it
-    came after all 30)."""
-    before = _metric(svc, "onecard_request_starts_deferred_total")
+HOLD_S = 1.5
+
+
+def _flood_then_probe_while_held(svc) -> tuple[int, bool]:
+    """30 requests for a 2 MiB answer, then a /healthz, sent while GET /block holds the loop:
+    how many of theirs were out when the probe's answer came, and whether the probe was sent
+    in time (within the hold, with a margin: on a loaded machine the sending can outlast it)."""
     flood = []
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        held = pool.submit(httpx.get, svc.url + "/block?s=1.0", timeout=30)
+        t0 = time.monotonic()
+        held = pool.submit(httpx.get, svc.url + f"/block?s={HOLD_S}", timeout=30)
         time.sleep(0.2)
         try:
             for i in range(30):
@@ -476,6 +478,7 @@ def test_a_probe_is_answered_ahead_of_requests_read_in_the_same_turn(svc):
                 flood.append(s)
             with socket.create_connection(("127.0.0.1", svc.port)) as p:
                 p.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                in_time = time.monotonic() - t0 < HOLD_S - 0.3
                 p.settimeout(10)
                 answer = p.recv(4096)
                 answered_before = 0
@@ -495,6 +498,21 @@ def test_a_probe_is_answered_ahead_of_requests_read_in_the_same_turn(svc):
             for s in flood:
                 s.close()
         assert held.result().status_code == 200
+    return answered_before, in_time
+
+
+def test_a_probe_is_answered_ahead_of_requests_read_in_the_same_turn(svc):
+    """30 requests (each building a 2 MiB answer) and then a /healthz arrive while the loop is
+    held (GET /block): when it turns again, all of them are read in one turn. At most a few
+    start per turn, the probe at once, so its answer is out before most of theirs (before, it
+    came after all 30). A try whose probe went out after the hold proves nothing (all 30 had
+    started by then) and is made again."""
+    before = _metric(svc, "onecard_request_starts_deferred_total")
+    for _ in range(3):
+        answered_before, in_time = _flood_then_probe_while_held(svc)
+        if in_time:
+            break
+    assert in_time, "the probe never went out while the loop was held"
     print("answered before the probe:", answered_before)
     assert answered_before < 20, answered_before
     assert _metric(svc, "onecard_request_starts_deferred_total") > before
