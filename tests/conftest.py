@@ -48,3 +48,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if reason:
         for item in gpu_items:
             item.add_marker(pytest.mark.skip(reason=f"needs CUDA: {reason}"))
+
+
+@pytest.fixture
+def pillow_reads(monkeypatch) -> list[int]:
+    """The length of every buffer Pillow is asked to open (PIL.Image.open spied on)."""
+    import PIL.Image
+    seen: list[int] = []
+    real = PIL.Image.open
+
+    def open_(fp, *args, **kwargs):
+        seen.append(len(fp.getbuffer()))
+        return real(fp, *args, **kwargs)
+    monkeypatch.setattr(PIL.Image, "open", open_)
+    return seen

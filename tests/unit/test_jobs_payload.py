@@ -134,20 +134,6 @@ def test_a_picture_within_the_limits_has_its_whole_text_checked(scans):
     assert err.value.code == "bad_base64"
 
 
-@pytest.fixture
-def pillow_reads(monkeypatch) -> list[int]:
-    """The length of every buffer Pillow is asked to open."""
-    import PIL.Image
-    seen: list[int] = []
-    real = PIL.Image.open
-
-    def open_(fp, *args, **kwargs):
-        seen.append(len(fp.getbuffer()))
-        return real(fp, *args, **kwargs)
-    monkeypatch.setattr(PIL.Image, "open", open_)
-    return seen
-
-
 @pytest.mark.parametrize("junk", [b"\xff", b"\x00"])
 def test_a_jpeg_field_of_fill_or_junk_bytes_shows_pillow_a_short_header(pillow_reads, junk):
     """Pillow steps through fill and extraneous bytes a byte at a time in Python: a 20 MiB

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from services.runtime.codecs import images, jpeg
+from services.runtime.codecs import jpeg
 from services.runtime.codecs.images import DecodeLimits, probe_image
 from services.runtime.errors import ApiError
 from tests import images as I
@@ -67,19 +67,13 @@ def test_an_exif_block_after_junk_is_read_in_bounds_as_pillow_reads_it(monkeypat
     assert (header.format, header.width, header.height, header.orientation) == ("JPEG", h, w, 6)
 
 
-def test_pillow_is_shown_the_header_without_the_junk(monkeypatch):
+def test_pillow_is_shown_the_header_without_the_junk(pillow_reads):
     data = with_junk(I.progressive_jpeg(), b"\x00" * (1 << 20))
     size = Image.open(io.BytesIO(data)).size
-    seen: list[int] = []
-    real = Image.open
-
-    def open_(fp, *a, **k):
-        seen.append(len(fp.getbuffer()))
-        return real(fp, *a, **k)
-    monkeypatch.setattr(images.Image, "open", open_)
+    pillow_reads.clear()
     header = probe_image(data, DecodeLimits(max_pixels=10**8))
     assert (header.format, header.width, header.height) == ("JPEG", *size)
-    assert seen and max(seen) < 64 * 1024  # the header's segments, not the megabyte of junk
+    assert pillow_reads and max(pillow_reads) < 64 * 1024  # the header's segments, not the megabyte of junk
 
 
 def test_junk_right_after_the_start_of_image_is_still_refused_as_pillow_refuses_it():
@@ -89,35 +83,24 @@ def test_junk_right_after_the_start_of_image_is_still_refused_as_pillow_refuses_
     assert err.value.status in (400, 415)
 
 
-def with_fill(data: bytes, n: int) -> bytes:
-    """`n` fill bytes (0xFF) before the second segment: any number is allowed (T.81 B.1.1.2)."""
-    end = 4 + struct.unpack(">H", data[4:6])[0]
-    return data[:end] + b"\xff" * n + data[end:]
-
-
 @pytest.mark.parametrize("where", ["after the first segment", "right after the start of image"])
-def test_fill_bytes_are_skipped_whole_and_pillow_is_shown_the_header_without_them(monkeypatch, where):
+def test_fill_bytes_are_skipped_whole_and_pillow_is_shown_the_header_without_them(pillow_reads, where):
+    """Any number of fill bytes (0xFF) may come before a marker (T.81 B.1.1.2)."""
     base = I.progressive_jpeg()
     n = 4 << 20
-    data = with_fill(base, n) if where != "right after the start of image" else base[:2] + b"\xff" * n + base[2:]
+    data = with_junk(base, b"\xff" * n) if where != "right after the start of image" else \
+        base[:2] + b"\xff" * n + base[2:]
     size = Image.open(io.BytesIO(base)).size
     assert cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR).shape[:2] == size[::-1]
     shape = jpeg.walk(data, 1000, 1000)
     assert shape == jpeg.walk(base, 1000, 1000)  # the same segments and scans
     assert sum(end - start for start, end in shape.junk) >= n
     # one run is one step of the walk, not one per byte: the byte-at-a-time walk read each one
-    reads = _count_index_reads(monkeypatch, data)
-    assert reads < 1000
-    seen: list[int] = []
-    real = Image.open
-
-    def open_(fp, *a, **k):
-        seen.append(len(fp.getbuffer()))
-        return real(fp, *a, **k)
-    monkeypatch.setattr(images.Image, "open", open_)
+    assert _count_index_reads(data) < 1000
+    pillow_reads.clear()
     header = probe_image(data, DecodeLimits(max_pixels=10**8))
     assert (header.format, header.width, header.height) == ("JPEG", *size)
-    assert seen and max(seen) < 64 * 1024
+    assert pillow_reads and max(pillow_reads) < 64 * 1024
 
 
 @pytest.mark.parametrize("tail", [b"\xff" * (1 << 20), b"\xff" + b"\x00" * (1 << 20)])
@@ -141,7 +124,7 @@ class _CountingBytes(bytes):
         return super().__getitem__(key)
 
 
-def _count_index_reads(monkeypatch, data: bytes) -> int:
+def _count_index_reads(data: bytes) -> int:
     _CountingBytes.reads = 0
     jpeg.walk(_CountingBytes(data), 1000, 1000)
     return _CountingBytes.reads
