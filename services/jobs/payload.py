@@ -140,8 +140,8 @@ def check_image_b64(text: Any, name: str, limits: Limits) -> tuple[int, int, int
         if not complete and not _known_signature(head):
             complete = True  # no format of ours starts like this: more bytes will not change it
         if step == 0:
-            if complete and not _known_signature(head):
-                check_image(head, name, limits, complete)  # 415, or 400 for what claims a format
+            if not _known_signature(head):  # (then complete, just above)
+                check_image(head, name, limits, True)  # 415, or 400 for what claims a format
             if size > limits.max_image_bytes:
                 raise ApiError(413, "image_too_large",
                                f"{name}: {size} bytes is over the limit of {limits.max_image_bytes}")
