@@ -35,25 +35,28 @@ OURS = ("GuardedHttpProtocol", "_SelectorSocketTransport", "RequestResponseCycle
 def serving(limits: ConnectionLimits, pace_s: tuple[float, float] | None = None) -> Iterator[int]:
     """uvicorn with the guarded protocol on a thread of this process: its port; stopped on the
     way out, even when the test fails."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # uvicorn is handed the bound socket: a port closed here and bound again by uvicorn could be
+    # taken in between by another worker's outgoing connection (CI once saw no start in 10 s)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
     protocol = guarded_protocol(limits)
     if pace_s is not None:
         protocol.pace_s = pace_s
     srv = uvicorn.Server(uvicorn.Config(create_app({}), host="127.0.0.1", port=port, log_level="error",
                                         lifespan="on", http=protocol, timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=srv.run, daemon=True)
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     try:
         deadline = time.monotonic() + 10
-        while not srv.started and time.monotonic() < deadline:
+        while not srv.started and thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert srv.started
+        assert srv.started, f"uvicorn not started (its thread {'alive' if thread.is_alive() else 'ended'})"
         yield port
     finally:
         srv.should_exit = True
         thread.join(10)
+        listener.close()
         assert not thread.is_alive()
 
 
