@@ -49,6 +49,19 @@ def test_a_png_with_a_million_empty_chunks_is_refused_by_the_walk_fast():
     assert probe_image(chunk_bomb_png(500), LIMITS).pixels == 64 * 64  # within the limit: fine
 
 
+def test_the_walk_stops_at_a_chunk_whose_type_is_not_four_letters():
+    """A PNG header and then zeros (base64 'AAAA...' in a jobs submit) reads as empty chunks of
+    type 0: walked one by one, 100 000 of them held a jobs helper 0.2 s before the chunk limit.
+    Both decoders call such a chunk broken, so the walk ends there and the answer is a 400."""
+    head = encode(np.zeros((64, 64, 3), np.uint8))[:33]        # signature + IHDR
+    zeros = head + b"\0" * 1_200_000
+    assert formats.walk_png(zeros, 512).chunks == 1
+    assert formats.walk_png(head + b"\0\0\0\0tE\0t" + b"\0" * 64, 512).chunks == 1
+    with pytest.raises(ApiError) as err:
+        probe_image(zeros, LIMITS)
+    assert (err.value.status, err.value.code) == (400, "corrupt_image")
+
+
 def test_image_data_split_into_tiny_chunks_is_refused_but_real_splits_are_not():
     img = np.random.default_rng(0).integers(0, 255, (300, 300, 3), dtype=np.uint8)
     good = encode(img)

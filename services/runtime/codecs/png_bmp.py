@@ -68,6 +68,8 @@ def walk_png(data: bytes, max_chunks: int, header_only: bool = False) -> PngShap
     unneeded: list[tuple[int, int]] = []
     while pos + 8 <= n:
         length, kind = struct.unpack_from(">I4s", data, pos)
+        if not kind.isalpha():  # a chunk type is four ASCII letters: both decoders stop here as broken
+            break
         chunks += 1
         if kind == b"IDAT":
             if first_idat is None:
