@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -78,4 +81,24 @@ def tiny_sd_img2img(path: Path, seed: int = 0) -> Path:
                                           scheduler=DDIMScheduler(), safety_checker=None, feature_extractor=None,
                                           requires_safety_checker=False)
     pipe.save_pretrained(str(path))
+    return path
+
+
+def shared_tiny_sd(tmp_path_factory, seed: int = 0) -> Path:
+    """tiny_sd_img2img built once per test session and shared, read only, by every module and
+    pytest-xdist worker that asks: each build imports torch, diffusers and transformers in the
+    test process (5 s of CPU alone, several times that on a loaded machine), and eight modules
+    built their own. Built aside and renamed into place under a lock, so that no reader sees
+    half a model."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # workers' temp dirs share a parent
+    path = root / f"tiny-sd-{seed}"
+    with open(root / f"tiny-sd-{seed}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.is_dir():
+            aside = root / f"tiny-sd-{seed}.building-{os.getpid()}"
+            shutil.rmtree(aside, ignore_errors=True)
+            tiny_sd_img2img(aside / "tiny-sd", seed)
+            os.rename(aside / "tiny-sd", path)
+            shutil.rmtree(aside, ignore_errors=True)
     return path

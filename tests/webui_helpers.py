@@ -32,13 +32,13 @@ def webui_service(backend: str, tmp_path_factory, **extra: Any) -> Iterator[Any]
     """The body of the webui tests' module fixture: an img2img service on the style backend or
     on a tiny diffusers pipeline (``backend``), with ``extra`` settings; ``service.backend``
     says which."""
-    from tests.models import tiny_sd_img2img
+    from tests.models import shared_tiny_sd
     from tests.service_harness import ServiceProcess
 
     if backend == "style":
         settings = style_settings()
     else:
-        settings = diffusers_settings(tiny_sd_img2img(tmp_path_factory.mktemp("sd") / "tiny-sd"))
+        settings = diffusers_settings(shared_tiny_sd(tmp_path_factory))
     with ServiceProcess(APP, {**settings, **extra}, tmp_path_factory.mktemp(backend)) as service:
         service.backend = backend
         yield service

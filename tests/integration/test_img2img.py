@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from tests.images import astronaut, encode
-from tests.models import tiny_sd_img2img
+from tests.models import shared_tiny_sd
 from tests.service_harness import ServiceProcess
 
 APP = "services.img2img.app:create_app"
@@ -116,7 +116,7 @@ def test_webui_api_and_progress(style):
 
 @pytest.fixture(scope="module")
 def sd_dir(tmp_path_factory):
-    return tiny_sd_img2img(tmp_path_factory.mktemp("sd") / "tiny-sd")
+    return shared_tiny_sd(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from sd_backend_client.api.shared_data.generation_handle import GenerationStatus
 from sd_backend_client.api.webui.diffusion_request_body import DiffusionRequestBody
 from sd_backend_client.errors import GenerationError
 
-from tests.models import tiny_sd_img2img
+from tests.models import shared_tiny_sd
 from tests.service_harness import ServiceProcess
 from tests.webui_helpers import (
     APP,
@@ -34,7 +34,7 @@ from tests.webui_helpers import (
 
 @pytest.fixture(scope="module")
 def sd(tmp_path_factory):
-    model = tiny_sd_img2img(tmp_path_factory.mktemp("sd") / "tiny-sd")
+    model = shared_tiny_sd(tmp_path_factory)
     with ServiceProcess(APP, diffusers_settings(model), tmp_path_factory.mktemp("svc")) as service:
         yield service
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.models import tiny_sd_img2img
+from tests.models import shared_tiny_sd
 from tests.service_harness import ServiceProcess
 from tests.webui_helpers import APP, b64, diffusers_settings, picture, pixels, style_settings
 
@@ -28,7 +28,7 @@ USER, PASSWORD = "alice", "s3cret-Pa55"
 
 @pytest.fixture(scope="module")
 def sd_dir(tmp_path_factory):
-    return tiny_sd_img2img(tmp_path_factory.mktemp("sd") / "tiny-sd")
+    return shared_tiny_sd(tmp_path_factory)
 
 
 @pytest.fixture(scope="module", params=["style", "diffusers"])
