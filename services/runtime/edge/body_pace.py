@@ -12,6 +12,12 @@ A chunked body's framing costs per chunk, not per byte: uvicorn hands the app ev
 through a Python callback and a bytes concatenation on the event loop (44 MB of 1-byte
 chunks cost the loop about 300 ms). A body whose chunks stay tiny on average after its first
 ``CHUNK_GRACE`` chunks is refused; a client that streams real pieces (kilobytes) never is.
+
+What a chunked body sends besides its data (chunk-size lines, their extensions, the trailer
+fields after the last chunk) is bounded like a head: an endless trailer value (no line end)
+is kept whole by the parser until it ends, 35 MB a connection before the body's wire cap, and
+an endless chunk-size line of zeros costs the loop its reads. Past ``max_header_bytes`` plus
+``CHUNK_LINE_BYTES`` a chunk, it is refused within the read that passes it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from collections.abc import Callable
 
 RATE_TICK_S = 1.0     # how often a body's rate is looked at
 CHUNK_GRACE = 1024    # chunks a body may send before their average size is judged
+CHUNK_LINE_BYTES = 64  # a chunk's own framing: its size line (and a short extension), its line end
 
 
 class BodyRate:
@@ -67,3 +74,9 @@ def chunks_too_small(chunks: int, body_bytes: int, min_chunk_bytes: int) -> bool
     """After CHUNK_GRACE chunks, do the finished ones (all but the newest) average under
     ``min_chunk_bytes``?"""
     return min_chunk_bytes > 0 and chunks > CHUNK_GRACE and body_bytes < min_chunk_bytes * (chunks - 1)
+
+
+def framing_too_large(framing_bytes: int, chunks: int, max_header_bytes: int) -> bool:
+    """Has a chunked body's framing (all it sent but its data) passed what its chunks' lines
+    and a head's worth of trailer fields may take?"""
+    return framing_bytes > max_header_bytes + CHUNK_LINE_BYTES * chunks

@@ -38,7 +38,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from common.socket_queues import has_bytes_waiting
 from services.runtime.edge.admission import BODY, HEAD, IDLE, Admission, AdmittingConnection
-from services.runtime.edge.body_pace import BodyRate, chunks_too_small
+from services.runtime.edge.body_pace import BodyRate, chunks_too_small, framing_too_large
 from services.runtime.edge.connection_limits import ConnectionLimits, ConnectionStats, Refusal, error_bytes
 from services.runtime.edge.connection_room import RefusedNewcomer
 from services.runtime.edge.expect_continue import close_if_refused_before_continue, stamp_the_continue
@@ -83,6 +83,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._head_bytes = 0       # URL and finished headers of the head being parsed
             self._header_count = 0
             self._body_bytes = 0       # bytes read while in this request's body
+            self._framing_bytes = 0    # of those, what was not body data (chunk lines, trailers)
             self._heads_in_read = 0    # heads finished during the current read
             self._active = None        # the cycle being answered
             self._pending_error: tuple[int, str, str] | None = None
@@ -236,7 +237,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 return  # drained and dropped: an error is on its way
             self._unset_keepalive_if_required()
             self._last_read_at = self.loop.time()
-            phase_before, message_before = self._phase, self._message_no
+            phase_before, message_before, data_before = self._phase, self._message_no, self._body_data
             self._heads_in_read = 0
             try:
                 self.parser.feed_data(data)
@@ -254,15 +255,16 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 else:
                     self._refuse_request(cause)
                 return
-            self._account(len(data), phase_before, message_before)
+            self._account(len(data), phase_before, message_before, data_before)
             if not self._broken:
                 self._update_receive_deadline()
                 self._update_room()
 
-        def _account(self, n: int, phase_before: str, message_before: int) -> None:
-            """Count this read's bytes towards the head or the body they belong to. When a
-            request ended inside the read and the next one began, the next one's share of
-            the read is unknown: it is counted from the next read on (at most one read late)."""
+        def _account(self, n: int, phase_before: str, message_before: int, data_before: int) -> None:
+            """Count this read's bytes towards the head or the body they belong to (a body's
+            framing apart: what the read held besides body data). When a request ended inside
+            the read and the next one began, the next one's share of the read is unknown: it
+            is counted from the next read on (at most one read late)."""
             if self._phase in (IDLE, HEAD):
                 if phase_before in (IDLE, HEAD) and self._heads_in_read == 0:
                     self._waiting_bytes += n
@@ -271,7 +273,11 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                         f"request line and headers are over {limits.max_header_bytes} bytes"))
             elif phase_before == BODY and self._message_no == message_before:
                 self._body_bytes += n
-                if self._body_bytes > limits.max_body_framing_bytes:
+                self._framing_bytes += n - (self._body_data - data_before)
+                if framing_too_large(self._framing_bytes, self._chunks, limits.max_header_bytes):
+                    self._refuse_request(too_large(
+                        f"the body's chunk lines and trailer fields are over {limits.max_header_bytes} bytes"))
+                elif self._body_bytes > limits.max_body_framing_bytes:
                     self._refuse_request(Refusal(
                         413, "body_too_large",
                         f"the request body took over {limits.max_body_framing_bytes} bytes on the wire",
@@ -357,6 +363,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._heads_in_read += 1
             self._waiting_bytes = 0
             self._body_bytes = 0
+            self._framing_bytes = 0
             self._chunks = 0
             self._body_data = 0
             super().on_headers_complete()
