@@ -23,18 +23,7 @@ def json_parts(doc: Any) -> list[bytes]:
     """Compact JSON, as a list of byte strings to send one after the other."""
     big: list[str] = []
     mark = f"onecard-splice-{secrets.token_hex(8)}-"  # no caller's string can hold it
-
-    def swap(node: Any) -> Any:
-        if isinstance(node, str) and len(node) > SPLICE_OVER:
-            big.append(node)
-            return f"{mark}{len(big) - 1}"
-        if isinstance(node, dict):
-            return {k: swap(v) for k, v in node.items()}
-        if isinstance(node, (list, tuple)):
-            return [swap(v) for v in node]
-        return node
-
-    skeleton = json.dumps(swap(doc), separators=(",", ":"))
+    skeleton = json.dumps(_swap(doc, big, mark), separators=(",", ":"))
     if not big:
         return [skeleton.encode()]
     pieces = skeleton.split(mark)
@@ -47,6 +36,21 @@ def json_parts(doc: Any) -> list[bytes]:
                 parts.append(_json_text(text[i:i + SPLICE_STEP]))
         parts += [b'"', rest.encode()]
     return parts
+
+
+def _swap(node: Any, big: list[str], mark: str) -> Any:
+    """The document with each big string replaced by a numbered mark (the string put in `big`).
+    A module function, not a closure: a closure that calls itself is a reference cycle, and it
+    kept every answer's base64 pictures until a full collection (four 40 MP extras answers:
+    +130 MiB of img2img each time, with the collector tuned to run rarely)."""
+    if isinstance(node, str) and len(node) > SPLICE_OVER:
+        big.append(node)
+        return f"{mark}{len(big) - 1}"
+    if isinstance(node, dict):
+        return {k: _swap(v, big, mark) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return [_swap(v, big, mark) for v in node]
+    return node
 
 
 # what json.dumps writes as it is (ensure_ascii): printable ASCII but the quote and backslash
