@@ -12,6 +12,7 @@ many tiny or ancillary chunks is a 413), a BMP's compression is read from its in
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 
@@ -30,6 +31,9 @@ DECODER_READS = (b"IHDR", b"PLTE", b"IDAT", b"IEND", b"tRNS", b"acTL", b"fcTL", 
 # nothing worth a copy of the file: it is shown the file as it is.
 FEW_UNNEEDED = 8
 BMP_RLE = {1: "RLE8", 2: "RLE4"}
+# Pillow takes a chunk type of four of these (its is_cid) and skips one it does not know: a
+# walk that stopped at a digit would hand it what follows unwalked (uncounted chunks, iCCP)
+_PILLOW_CHUNK_TYPE = re.compile(rb"[A-Za-z0-9_]{4}")
 
 
 class FormatLimitError(Exception):
@@ -68,8 +72,8 @@ def walk_png(data: bytes, max_chunks: int, header_only: bool = False) -> PngShap
     unneeded: list[tuple[int, int]] = []
     while pos + 8 <= n:
         length, kind = struct.unpack_from(">I4s", data, pos)
-        if not kind.isalpha():  # a chunk type is four ASCII letters: both decoders stop here as broken
-            break
+        if not _PILLOW_CHUNK_TYPE.fullmatch(kind):
+            break  # past what even Pillow takes for a chunk type (libpng takes letters only): broken for both
         chunks += 1
         if kind == b"IDAT":
             if first_idat is None:
