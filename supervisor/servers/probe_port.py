@@ -32,7 +32,11 @@ from supervisor.servers import connection_slots
 from supervisor.servers.connection_slots import ClosableServer, Slots
 
 BACKLOG = 1024
-ACCEPT_BATCH = 256   # connections accepted in one turn of the loop
+# connections accepted in one turn of the loop: those with a whole request are answered in it,
+# so the turn stays short (a flood of /metrics requests must not hold the loop)
+ACCEPT_BATCH = 64
+ACCEPT_RETRY_S = 0.1  # out of descriptors or buffers: accepting pauses this long (asyncio: 1 s)
+OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 ALL_INTERFACES = ("", "*")
 ALLOW = (("Allow", "GET, HEAD"),)
 
@@ -125,9 +129,18 @@ class ProbePortServer(ClosableServer):
                 conn, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:  # out of descriptors or buffers: the queue waits for the next turn
-                return
+            except OSError as exc:
+                if exc.errno in OUT_OF_RESOURCES:
+                    # the listener stays readable: asked again at once, the loop would spin on it
+                    loop = asyncio.get_running_loop()
+                    loop.remove_reader(listener.fileno())
+                    loop.call_later(ACCEPT_RETRY_S, self._resume_accepting, listener)
+                return  # else (a connection aborted before it was taken): the next one, next turn
             self._take(conn)
+
+    def _resume_accepting(self, listener: socket.socket) -> None:
+        if listener in self._listeners:  # not closed meanwhile
+            asyncio.get_running_loop().add_reader(listener.fileno(), self._accept, listener)
 
     def _take(self, conn: socket.socket) -> None:
         conn.setblocking(False)
@@ -140,6 +153,14 @@ class ProbePortServer(ClosableServer):
         if head is not None and len(head) <= http1.MAX_HEAD and http1.whole_request(head):
             self._answer_at_once(conn, head)
             return
+        if head is not None and head and _peer_closed(conn):
+            try:  # the rest and the FIN may have come since it was looked at
+                head = conn.recv(connection_slots.MAX_PEEK, socket.MSG_PEEK)
+            except OSError:
+                head = b""
+            if len(head) <= http1.MAX_HEAD and http1.whole_request(head):
+                self._answer_at_once(conn, head)
+                return
         if head == b"" or (head is not None and _peer_closed(conn)):
             # its client left without a byte, or with half a request that can never be whole
             # (one the stream would not answer either): nothing to answer
