@@ -29,6 +29,7 @@ from typing import Any
 
 from bench.attack_classes import ISSUE_ATTACKS
 from bench.attack_extra import OWN_ATTACKS
+from bench.attack_more import MORE_ATTACKS
 from bench.attack_net import count_5xx, request
 from bench.attack_unit import GIB, MIB, SERVICES, Unit, Window
 from bench.common import table, write_result
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             doc["budgets_mib"].update(json.loads(args.budgets_from))
         print_table(doc["attacks"], doc["budgets_mib"])
         return 0
-    attacks = [(n, f) for n, f in ISSUE_ATTACKS + OWN_ATTACKS
+    attacks = [(n, f) for n, f in ISSUE_ATTACKS + OWN_ATTACKS + MORE_ATTACKS
                if (not args.only or any(n.startswith(o) for o in args.only))
                and not any(n.startswith(s) for s in args.skip)]
     if args.repeat > 1:

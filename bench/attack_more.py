@@ -1,0 +1,171 @@
+"""More attacks of the issue's classes, found by a review of the soak (helper-33): framing that
+never ends, connection churn on the probe port, big extras answers, and ordinary listing
+readers. Each is what a client without credentials can do; run by bench/attack_soak.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+import uuid
+from typing import Any
+
+from bench.attack_net import HOST, b64, concurrently, post_json, request, tally
+from tests import images as I
+
+Result = dict[str, Any]
+
+
+def _send_forever(port: int, first: bytes, piece: bytes, seconds: float, rate_bps: float) -> dict:
+    """`first`, then `piece` at about `rate_bps` until the server answers or closes, or `seconds`."""
+    sent, t0 = 0, time.monotonic()
+    try:
+        s = socket.create_connection((HOST, port), timeout=10)
+    except OSError as exc:
+        return {"status": None, "error": type(exc).__name__, "sent": 0, "s": 0.0}
+    try:
+        s.sendall(first)
+        sent += len(first)
+        while time.monotonic() - t0 < seconds:
+            s.setblocking(False)
+            try:
+                got = s.recv(65536)
+                return {"status": int(got[9:12]) if got.startswith(b"HTTP/1.") else None, "sent": sent,
+                        "s": time.monotonic() - t0}
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                return {"status": None, "error": type(exc).__name__, "sent": sent, "s": time.monotonic() - t0}
+            s.setblocking(True)
+            s.settimeout(10)
+            try:
+                s.sendall(piece)
+            except OSError as exc:
+                return {"status": None, "error": "send " + type(exc).__name__, "sent": sent,
+                        "s": time.monotonic() - t0}
+            sent += len(piece)
+            time.sleep(len(piece) / rate_bps)
+        return {"status": None, "error": "no answer", "sent": sent, "s": time.monotonic() - t0}
+    finally:
+        s.close()
+
+
+def endless_chunk_framing(u, ctx) -> Result:
+    """16 connections to detect: a PNG in one chunk, the last chunk, then a trailer value that
+    never ends (16 KiB pieces, 2 MB/s each); then 16 whose chunk-size line is endless zeros."""
+    png = I.small_png()
+    head = (b"POST /api/v1/facedetect HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    trailer = head + f"{len(png):x}\r\n".encode() + png + b"\r\n0\r\nX-T: "
+    got = concurrently(lambda i: _send_forever(u.ports["detect"], trailer, b"b" * 16384, 20, 2e6), 16)
+    got += concurrently(lambda i: _send_forever(u.ports["detect"], head, b"0" * 16384, 20, 2e6), 16)
+    return {"statuses": tally(got), "notes": {"sent_mib_max": round(max(r["sent"] for r in got) / 2**20, 2),
+                                              "s_max": round(max(r["s"] for r in got), 1)}}
+
+
+def probe_port_churn(u, ctx) -> Result:
+    """24 threads connecting to the probe port and closing at once, in a loop, for 25 s: a third
+    just close, a third reset, a third send half a request first."""
+    counts = {"close": 0, "reset": 0, "half": 0, "error": 0}
+    lock = threading.Lock()
+    t_end = time.monotonic() + 25
+
+    def client(i: int) -> dict:
+        kind = ("close", "reset", "half")[i % 3]
+        while time.monotonic() < t_end:
+            try:
+                s = socket.socket()
+                s.settimeout(2)
+                s.connect((HOST, u.health_port))
+                if kind == "reset":
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                elif kind == "half":
+                    s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+                s.close()
+                key = kind
+            except OSError:
+                key = "error"
+                time.sleep(0.01)
+            with lock:
+                counts[key] += 1
+        return {}
+    concurrently(client, 24)
+    return {"statuses": {}, "notes": counts}
+
+
+def extras_upscales(u, ctx) -> Result:
+    """The webui extras, 4 at once each: 4 photos of 1400 px x2, 16 of 300 px x4 with a second
+    upscaler, one 300 px x21 (a 40 MP answer), one 65535x1 crop (refused)."""
+    import numpy as np
+    from PIL import Image
+    photo = b64(I.encode(np.asarray(Image.fromarray(I.astronaut()).resize((1400, 1400))), "JPEG", quality=92))
+    small = b64(I.encode(np.asarray(Image.fromarray(I.astronaut()).resize((300, 300))), "PNG"))
+    cases = {
+        "batch 4 x 1400px x2": {"imageList": [{"data": photo, "name": f"{i}.jpg"} for i in range(4)],
+                                "upscaler_1": "Lanczos", "upscaling_resize": 2},
+        "batch 16 x 300px x4, upscaler_2": {"imageList": [{"data": small, "name": f"{i}.png"} for i in range(16)],
+                                            "upscaler_1": "Lanczos", "upscaler_2": "Nearest",
+                                            "extras_upscaler_2_visibility": 0.5, "upscaling_resize": 4},
+        "single 65535x1 crop": {"image": small, "resize_mode": 1, "upscaling_resize_w": 65535,
+                                "upscaling_resize_h": 1, "upscaling_crop": True, "upscaler_1": "Lanczos"},
+        "single 300px x21": {"image": small, "upscaler_1": "Lanczos", "upscaling_resize": 21},
+    }
+    rs, notes = [], {}
+    for name, doc in cases.items():
+        path = "/sdapi/v1/extra-batch-images" if "imageList" in doc else "/sdapi/v1/extra-single-image"
+        got = concurrently(lambda i, doc=doc, path=path: post_json(u.ports["img2img"], path, doc, timeout=180,
+                                                                   keep_body=False), 4)
+        rs += got
+        notes[name] = f"{tally(got)} max {max(r['s'] for r in got):.1f} s"
+    return {"statuses": tally(rs), "notes": notes}
+
+
+def listing_readers(u, ctx) -> Result:
+    """6 clients submitting (and cancelling) small jobs for 20 s, each with a new 255-character
+    Idempotency-Key; then 16 clients reading 500-job listings of that model, for 25 s."""
+    body = json.dumps({"service": "detect", "route": "/api/v1/facedetect", "image": b64(I.small_png())}).encode()
+    port = u.ports["jobs"]
+    ids: list[str] = []
+    lock = threading.Lock()
+
+    def submitter(i: int) -> dict:
+        t_end = time.monotonic() + 20
+        while time.monotonic() < t_end:
+            key = (f"{i:02d}-" + uuid.uuid4().hex * 8)[:255]
+            r = request(port, "POST", "/v1/jobs", body, {"Content-Type": "application/json", "Idempotency-Key": key},
+                        timeout=30)
+            if r["status"] == 202:
+                job = json.loads(r["body"])["id"]
+                with lock:
+                    ids.append(job)
+                request(port, "DELETE", f"/v1/jobs/{job}", timeout=30)
+        return {}
+    concurrently(submitter, 6)
+    model = "detect"
+    if ids:
+        try:
+            model = json.loads(request(port, "GET", f"/v1/jobs/{ids[-1]}?result=false")["body"])["model"]
+        except (ValueError, KeyError):
+            pass
+    path = f"/v1/jobs?model={model}&limit=500"
+    got: list[dict] = []
+
+    def reader(i: int) -> dict:
+        t_end = time.monotonic() + 25
+        while time.monotonic() < t_end:
+            r = request(port, "GET", path, timeout=30, keep_body=False)
+            with lock:
+                got.append(r)
+        return {}
+    concurrently(reader, 16)
+    return {"statuses": tally(got), "notes": {"jobs": len(ids), "reads": len(got)}}
+
+
+MORE_ATTACKS = [
+    ("B19 endless chunk framing (trailer value, size zeros)", endless_chunk_framing),
+    ("B20 probe port connect-and-close churn", probe_port_churn),
+    ("B21 big extras upscales (RSS back)", extras_upscales),
+    ("B22 16 readers of 500-job listings", listing_readers),
+]
