@@ -54,6 +54,17 @@ def _peer_closed(conn: socket.socket) -> bool:
         return False
 
 
+# Answered the moment they are accepted: the probes, whose answers cost nothing to make. A
+# /metrics answer is rendered: answered at accept, 32 clients asking in a loop got 6 800 a
+# second and the supervisor's CPU took the services' from them (their /healthz p99 20-35 ms);
+# through a stream and a slot, as before, 3 250 a second and 6-11 ms.
+AT_ONCE = tuple(f"{method} {path} ".encode() for method in ("GET", "HEAD") for path in ("/healthz", "/readyz"))
+
+
+def _probe_at_once(head: bytes) -> bool:
+    return head.startswith(AT_ONCE) and len(head) <= http1.MAX_HEAD and http1.whole_request(head)
+
+
 class ProbePortError(Exception):
     """The probe port cannot be opened; `taken` when another process holds it."""
 
@@ -150,7 +161,7 @@ class ProbePortServer(ClosableServer):
             head = None  # nothing yet
         except OSError:  # reset already
             head = b""
-        if head is not None and len(head) <= http1.MAX_HEAD and http1.whole_request(head):
+        if head is not None and _probe_at_once(head):
             self._answer_at_once(conn, head)
             return
         if head is not None and head and _peer_closed(conn):
@@ -158,7 +169,7 @@ class ProbePortServer(ClosableServer):
                 head = conn.recv(connection_slots.MAX_PEEK, socket.MSG_PEEK)
             except OSError:
                 head = b""
-            if len(head) <= http1.MAX_HEAD and http1.whole_request(head):
+            if _probe_at_once(head):
                 self._answer_at_once(conn, head)
                 return
         if head == b"" or (head is not None and _peer_closed(conn)):
