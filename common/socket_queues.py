@@ -52,3 +52,15 @@ def waiting_bytes(fd: int, limit: int) -> bytes:
         return b""
     finally:
         peek.close()
+
+
+TCP_CLOSE_WAIT = 8   # linux/tcp_states.h: the peer's FIN is in
+
+
+def peer_closed(sock: socket.socket) -> bool:
+    """Has the peer closed its side (its FIN is in)? The first byte of TCP_INFO is the state;
+    False where that cannot be read (not Linux)."""
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == TCP_CLOSE_WAIT
+    except (OSError, AttributeError):
+        return False

@@ -27,6 +27,7 @@ import socket
 from collections.abc import Callable
 
 from common import http1
+from common.socket_queues import peer_closed
 from supervisor.config.settings import SupervisorSettings
 from supervisor.servers import connection_slots
 from supervisor.servers.connection_slots import ClosableServer, Slots
@@ -41,17 +42,6 @@ ALL_INTERFACES = ("", "*")
 ALLOW = (("Allow", "GET, HEAD"),)
 
 Route = Callable[[], http1.Answer]
-
-
-TCP_CLOSE_WAIT = 8   # linux/tcp_states.h: the peer's FIN is in
-
-
-def _peer_closed(conn: socket.socket) -> bool:
-    """Has the client closed its side (its FIN is in)? The first byte of TCP_INFO is the state."""
-    try:
-        return conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == TCP_CLOSE_WAIT
-    except (OSError, AttributeError):  # not Linux: the stream finds out
-        return False
 
 
 # Answered the moment they are accepted: the probes, whose answers cost nothing to make. A
@@ -164,7 +154,7 @@ class ProbePortServer(ClosableServer):
         if head is not None and _probe_at_once(head):
             self._answer_at_once(conn, head)
             return
-        if head is not None and head and _peer_closed(conn):
+        if head is not None and head and peer_closed(conn):
             try:  # the rest and the FIN may have come since it was looked at
                 head = conn.recv(connection_slots.MAX_PEEK, socket.MSG_PEEK)
             except OSError:
@@ -172,7 +162,7 @@ class ProbePortServer(ClosableServer):
             if _probe_at_once(head):
                 self._answer_at_once(conn, head)
                 return
-        if head == b"" or (head is not None and _peer_closed(conn)):
+        if head == b"" or (head is not None and peer_closed(conn)):
             # its client left without a byte, or with half a request that can never be whole
             # (one the stream would not answer either): nothing to answer
             self.gone_at_accept += 1
