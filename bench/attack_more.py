@@ -12,44 +12,10 @@ import time
 import uuid
 from typing import Any
 
-from bench.attack_net import HOST, b64, concurrently, post_json, request, tally
+from bench.attack_net import HOST, b64, concurrently, post_json, request, tally, trickle
 from tests import images as I
 
 Result = dict[str, Any]
-
-
-def _send_forever(port: int, first: bytes, piece: bytes, seconds: float, rate_bps: float) -> dict:
-    """`first`, then `piece` at about `rate_bps` until the server answers or closes, or `seconds`."""
-    sent, t0 = 0, time.monotonic()
-    try:
-        s = socket.create_connection((HOST, port), timeout=10)
-    except OSError as exc:
-        return {"status": None, "error": type(exc).__name__, "sent": 0, "s": 0.0}
-    try:
-        s.sendall(first)
-        sent += len(first)
-        while time.monotonic() - t0 < seconds:
-            s.setblocking(False)
-            try:
-                got = s.recv(65536)
-                return {"status": int(got[9:12]) if got.startswith(b"HTTP/1.") else None, "sent": sent,
-                        "s": time.monotonic() - t0}
-            except BlockingIOError:
-                pass
-            except OSError as exc:
-                return {"status": None, "error": type(exc).__name__, "sent": sent, "s": time.monotonic() - t0}
-            s.setblocking(True)
-            s.settimeout(10)
-            try:
-                s.sendall(piece)
-            except OSError as exc:
-                return {"status": None, "error": "send " + type(exc).__name__, "sent": sent,
-                        "s": time.monotonic() - t0}
-            sent += len(piece)
-            time.sleep(len(piece) / rate_bps)
-        return {"status": None, "error": "no answer", "sent": sent, "s": time.monotonic() - t0}
-    finally:
-        s.close()
 
 
 def endless_chunk_framing(u, ctx) -> Result:
@@ -59,8 +25,12 @@ def endless_chunk_framing(u, ctx) -> Result:
     head = (b"POST /api/v1/facedetect HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n")
     trailer = head + f"{len(png):x}\r\n".encode() + png + b"\r\n0\r\nX-T: "
-    got = concurrently(lambda i: _send_forever(u.ports["detect"], trailer, b"b" * 16384, 20, 2e6), 16)
-    got += concurrently(lambda i: _send_forever(u.ports["detect"], head, b"0" * 16384, 20, 2e6), 16)
+    never = threading.Event()
+
+    def send(first: bytes, piece: bytes) -> dict:  # 2 MB/s for 20 s at most
+        return trickle(u.ports["detect"], first, piece, len(piece) / 2e6, never, max_bytes=40 * 10**6)
+    got = concurrently(lambda i: send(trailer, b"b" * 16384), 16)
+    got += concurrently(lambda i: send(head, b"0" * 16384), 16)
     return {"statuses": tally(got), "notes": {"sent_mib_max": round(max(r["sent"] for r in got) / 2**20, 2),
                                               "s_max": round(max(r["s"] for r in got), 1)}}
 
