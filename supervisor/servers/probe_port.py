@@ -55,6 +55,17 @@ def _probe_at_once(head: bytes) -> bool:
     return head.startswith(AT_ONCE) and len(head) <= http1.MAX_HEAD and http1.whole_request(head)
 
 
+def _peek(conn: socket.socket) -> bytes | None:
+    """What waits on a new connection, left there; None when nothing yet, b"" when its client
+    closed or reset it."""
+    try:
+        return conn.recv(connection_slots.MAX_PEEK, socket.MSG_PEEK)
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError:
+        return b""
+
+
 class ProbePortError(Exception):
     """The probe port cannot be opened; `taken` when another process holds it."""
 
@@ -76,8 +87,8 @@ class ProbePortServer(ClosableServer):
         self._server: asyncio.AbstractServer | None = None
         self._listeners: list[socket.socket] = []
         self._streams: set[asyncio.Task] = set()
-        self.answered_at_accept = 0   # whole requests answered the moment they were accepted
-        self.gone_at_accept = 0       # connections closed by their client before a byte
+        self.answered_at_accept = 0   # probes answered the moment they were accepted
+        self.gone_at_accept = 0       # closed by their client before a whole request
 
     @property
     def max_clients(self) -> int:
@@ -145,30 +156,23 @@ class ProbePortServer(ClosableServer):
 
     def _take(self, conn: socket.socket) -> None:
         conn.setblocking(False)
-        try:
-            head: bytes | None = conn.recv(connection_slots.MAX_PEEK, socket.MSG_PEEK)
-        except (BlockingIOError, InterruptedError):
-            head = None  # nothing yet
-        except OSError:  # reset already
-            head = b""
+        head = _peek(conn)
+        if head and not _probe_at_once(head) and peer_closed(conn):
+            # its client has closed: the rest may have come with the FIN (a whole request still
+            # gets its answer); a half one can never be whole, and the stream would not answer it
+            head = _peek(conn) or b""
+            if not http1.whole_request(head):
+                head = b""
         if head is not None and _probe_at_once(head):
             self._answer_at_once(conn, head)
-            return
-        if head is not None and head and peer_closed(conn):
-            try:  # the rest and the FIN may have come since it was looked at
-                head = conn.recv(connection_slots.MAX_PEEK, socket.MSG_PEEK)
-            except OSError:
-                head = b""
-            if _probe_at_once(head):
-                self._answer_at_once(conn, head)
-                return
-        if head == b"" or (head is not None and peer_closed(conn)):
-            # its client left without a byte, or with half a request that can never be whole
-            # (one the stream would not answer either): nothing to answer
+        elif head == b"":  # its client left without a byte, or with half a request
             self.gone_at_accept += 1
             conn.close()
-            return
-        task = asyncio.get_running_loop().create_task(self._stream(conn))
+        else:
+            self._spawn(self._stream(conn))
+
+    def _spawn(self, work) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._streams.add(task)
         task.add_done_callback(self._streams.discard)
 
@@ -184,10 +188,8 @@ class ProbePortServer(ClosableServer):
             return
         if sent == len(data):
             conn.close()
-            return
-        task = asyncio.get_running_loop().create_task(self._send_rest(conn, data[sent:]))
-        self._streams.add(task)
-        task.add_done_callback(self._streams.discard)
+        else:
+            self._spawn(self._send_rest(conn, data[sent:]))
 
     async def _send_rest(self, conn: socket.socket, rest: bytes) -> None:
         try:

@@ -156,3 +156,26 @@ def test_out_of_descriptors_pauses_accepting_instead_of_spinning_and_it_resumes(
     got = dict(line.split() for line in out.stdout.split("\n") if line)
     assert int(got["calls"]) <= 20, got
     assert got["answer"] == "200", got
+
+
+def test_a_whole_request_sent_with_a_fin_is_answered_whatever_its_route(probe_port):
+    """A client that sends its whole request and shuts its side (`nc -N`) reads its answer:
+    a probe's at accept, any other route's through a stream."""
+    server, streams, hold = probe_port
+    hold(0.3)
+    time.sleep(0.05)
+    clients = []
+    for path in (b"/healthz", b"/nope"):
+        s = _connect(server.port)
+        s.sendall(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.shutdown(socket.SHUT_WR)
+        clients.append(s)
+    answers = []
+    for s in clients:
+        got = b""
+        while chunk := s.recv(4096):
+            got += chunk
+        s.close()
+        answers.append(got.split(b" ", 2)[1])
+    assert answers == [b"200", b"404"], answers
+    assert server.answered_at_accept == 1 and len(streams) == 1
