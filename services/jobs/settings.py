@@ -214,6 +214,11 @@ class JobsSettings(ServiceSettings):
     result_send_timeout_s: float = Field(30.0, gt=0, le=3600, allow_inf_nan=False, description="a client that "
                                          "reads no part of a result for this long is cut off")
     max_list_limit: int = Field(500, ge=1, le=10_000, description="most jobs in one page of GET /v1/jobs")
+    max_listings_at_once: int = Field(2, ge=1, le=1000, description="pages of GET /v1/jobs read and encoded at "
+                                      "once; more wait their turn, first come first served (each is up to "
+                                      "max_list_limit jobs of CPU work that holds the GIL)")
+    listed_views_bytes: int = Field(16 * 2**20, ge=0, le=2**31, description="memory kept for finished jobs' "
+                                    "encoded views, so that listing them again costs no re-encoding (0: none kept)")
 
     @field_validator("accept_models")
     @classmethod

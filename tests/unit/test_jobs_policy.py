@@ -333,12 +333,12 @@ def test_a_big_page_of_jobs_is_made_off_the_event_loop(monkeypatch):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from services.jobs import api_admin
+    from services.jobs import api_admin, views
     from services.jobs.service import JobsService
 
     threads: dict[str, set] = {"loop": set(), "views": set()}
-    real_view = api_admin.public_view
-    monkeypatch.setattr(api_admin, "public_view",
+    real_view = views.public_view
+    monkeypatch.setattr(views, "public_view",
                         lambda f: threads["views"].add(threading.get_ident()) or real_view(f))
 
     class Broker:
