@@ -33,7 +33,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-API_VERSION = "1.2"
+API_VERSION = "1.3"
 
 _NAMES = {
     # writing a model service
@@ -49,6 +49,7 @@ _NAMES = {
     "Route": "onecard._routes", "Service": "onecard._routes", "ImageHeader": "onecard._answers",
     "IMAGE_FORMATS": "onecard._answers", "openapi_schema": "onecard._types",
     "decode_base64": "onecard._answers", "encode_base64": "onecard._answers", "encode_image": "onecard._answers",
+    "encode_image_base64": "onecard._answers",
     "check_encodable": "onecard._answers", "resize_image": "onecard._answers",
 }
 

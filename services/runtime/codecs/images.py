@@ -26,8 +26,10 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from services.runtime.codecs import exif, jpeg
 from services.runtime.codecs import png_bmp as formats
 from services.runtime.codecs.encoder_limits import check_encodable
+from services.runtime.codecs.exif_segments import jpeg_pieces, webp_pieces
 from services.runtime.codecs.fresh_bytes import joined
 from services.runtime.codecs.page_release import hand_back_pages
+from services.runtime.codecs.pil_arrays import array_of
 from services.runtime.codecs.png_encode import encode_png
 from services.runtime.errors import ApiError
 
@@ -222,7 +224,7 @@ def _decode_pillow(data: bytes, header: ImageHeader) -> np.ndarray:
         im = ImageOps.exif_transpose(im)
     if im.mode != "RGB":
         im = im.convert("RGB")  # the file's own mode is let go before the array's copy
-    return np.asarray(im)
+    return array_of(im)
 
 
 def decode_probed(data: bytes, header: ImageHeader, max_side: int | None = None) -> DecodedImage:
@@ -283,9 +285,24 @@ PNG_PARAMS = [cv2.IMWRITE_PNG_COMPRESSION, 1, cv2.IMWRITE_PNG_STRATEGY, cv2.IMWR
               cv2.IMWRITE_PNG_FILTER, cv2.IMWRITE_PNG_FILTER_UP]
 
 
-def encode_image(rgb: np.ndarray, fmt: str, quality: int | None = None) -> tuple[bytes, str]:
+def encode_image(rgb: np.ndarray | Image.Image, fmt: str, quality: int | None = None,
+                 texts: dict[str, str] | None = None, exif: bytes | None = None) -> tuple[bytes, str]:
     """Encoder settings favour speed: PNG at the lowest compression level with run-length
-    matching, WebP at its fastest method; JPEG quality 90 unless asked."""
+    matching, WebP at its fastest method; JPEG quality 90 unless asked. `rgb` is an array
+    (height x width x 3, uint8) or a Pillow picture (taken as RGB, a slice of rows at a
+    time: np.asarray held the GIL 82 ms for 40 MP). `texts`: PNG text chunks (keyword: text),
+    tEXt or iTXt as Pillow writes them, right after the header. `exif`: an EXIF block for a
+    JPEG or WebP answer (Image.Exif().tobytes()), put in as Pillow and libwebp write it."""
+    if texts and fmt != "png":
+        raise ValueError(f"text chunks are for PNG answers, not {fmt!r}")
+    if exif:
+        if fmt not in ("jpeg", "webp"):
+            raise ValueError(f"an EXIF block is for JPEG and WebP answers, not {fmt!r}")
+        data, mime = encode_image(rgb, fmt, quality)
+        pieces = jpeg_pieces(data, exif) if fmt == "jpeg" else webp_pieces(data, exif)
+        return joined(pieces, sum(len(p) for p in pieces)), mime
+    if isinstance(rgb, Image.Image):
+        rgb = array_of(rgb if rgb.mode == "RGB" else rgb.convert("RGB"))
     pil_fmt, mime = OUTPUT_FORMATS[fmt]
     check_encodable(rgb.shape[1], rgb.shape[0], fmt)
     if pil_fmt == "WEBP" and rgb.shape[0] * rgb.shape[1] <= PILLOW_WEBP_MAX_PIXELS:
@@ -295,7 +312,9 @@ def encode_image(rgb: np.ndarray, fmt: str, quality: int | None = None) -> tuple
     if pil_fmt == "PNG" and rgb.ndim == 3 and rgb.shape[2] == 3 and rgb.dtype == np.uint8:
         # the same file as OpenCV's with PNG_PARAMS, without its GIL-held copy; other pixels
         # (RGBA, 16-bit, float, gray: what this took before) are OpenCV's, as they were
-        return encode_png(rgb), mime
+        return encode_png(rgb, texts), mime
+    if texts:
+        raise ValueError("text chunks are written with 8-bit RGB pixels only")
     # OpenCV's encoders release the GIL for the whole picture. Pillow's WebP encoder holds it
     # (80 ms at 40 MP froze the event loop and the probes that long), so bigger WebP answers
     # go here too, at about 3x Pillow's CPU (OpenCV has no fastest-method setting), which the

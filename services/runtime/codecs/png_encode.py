@@ -34,8 +34,21 @@ def _chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(data, zlib.crc32(kind)))
 
 
-def encode_png(rgb: np.ndarray) -> bytes:
-    """``rgb`` (height x width x 3, uint8) as a PNG file."""
+def text_chunk(key: str, text: str) -> bytes:
+    """A text chunk as Pillow's PngInfo.add_text writes it: tEXt when the text is Latin-1,
+    else an uncompressed iTXt in UTF-8. The keyword is 1 to 79 Latin-1 characters (PNG's rule)."""
+    if not 1 <= len(key) <= 79 or not all(" " <= c <= "~" or "\xa1" <= c <= "\xff" for c in key):
+        raise ValueError(f"a PNG text keyword is 1 to 79 printable Latin-1 characters, not {key[:100]!r}")
+    try:
+        name, data = b"tEXt", key.encode("latin-1") + b"\x00" + text.encode("latin-1")
+    except UnicodeEncodeError:
+        name, data = b"iTXt", key.encode("latin-1") + b"\x00\x00\x00\x00\x00" + text.encode("utf-8")
+    return _chunk(name, data)
+
+
+def encode_png(rgb: np.ndarray, texts: dict[str, str] | None = None) -> bytes:
+    """``rgb`` (height x width x 3, uint8) as a PNG file, with `texts` (keyword: text) in text
+    chunks right after its header."""
     if rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.dtype != np.uint8 or rgb.size == 0:
         raise ValueError(f"encode_png takes height x width x 3 uint8 pixels, not {rgb.shape} {rgb.dtype}")
     height, width = rgb.shape[:2]
@@ -48,6 +61,7 @@ def encode_png(rgb: np.ndarray) -> bytes:
     flat = memoryview(filtered).cast("B")
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)   # 8-bit RGB, not interlaced
     pieces: list[bytes | memoryview] = [SIGNATURE, _chunk(b"IHDR", header)]
+    pieces += [text_chunk(key, text) for key, text in (texts or {}).items()]
     deflate = zlib.compressobj(1, zlib.DEFLATED, 15, 9, zlib.Z_RLE)
     for at in range(0, len(flat), SLICE_BYTES):
         _idat(pieces, deflate.compress(flat[at:at + SLICE_BYTES]))
