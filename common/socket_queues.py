@@ -54,13 +54,19 @@ def waiting_bytes(fd: int, limit: int) -> bytes:
         peek.close()
 
 
+TCP_CLOSE = 7        # linux/tcp_states.h: reset (or closed both ways)
 TCP_CLOSE_WAIT = 8   # linux/tcp_states.h: the peer's FIN is in
 
 
-def peer_closed(sock: socket.socket) -> bool:
-    """Has the peer closed its side (its FIN is in)? The first byte of TCP_INFO is the state;
-    False where that cannot be read (not Linux)."""
+def tcp_state(sock: socket.socket) -> int:
+    """The TCP state (linux/tcp_states.h), the first byte of TCP_INFO; 0 where that cannot be
+    read (not Linux, not TCP)."""
     try:
-        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == TCP_CLOSE_WAIT
-    except (OSError, AttributeError):
-        return False
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+    except (OSError, AttributeError, IndexError):
+        return 0
+
+
+def peer_closed(sock: socket.socket) -> bool:
+    """Has the peer closed its side (its FIN is in)? False where that cannot be read (not Linux)."""
+    return tcp_state(sock) == TCP_CLOSE_WAIT

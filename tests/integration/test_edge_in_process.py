@@ -15,6 +15,7 @@ import collections
 import contextlib
 import gc
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -32,7 +33,8 @@ OURS = ("GuardedHttpProtocol", "_SelectorSocketTransport", "RequestResponseCycle
 
 
 @contextlib.contextmanager
-def serving(limits: ConnectionLimits, pace_s: tuple[float, float] | None = None) -> Iterator[int]:
+def serving(limits: ConnectionLimits, pace_s: tuple[float, float] | None = None,
+            keep_alive_s: float = 5.0) -> Iterator[int]:
     """uvicorn with the guarded protocol on a thread of this process: its port; stopped on the
     way out, even when the test fails."""
     # uvicorn is handed the bound socket: a port closed here and bound again by uvicorn could be
@@ -44,7 +46,8 @@ def serving(limits: ConnectionLimits, pace_s: tuple[float, float] | None = None)
     if pace_s is not None:
         protocol.pace_s = pace_s
     srv = uvicorn.Server(uvicorn.Config(create_app({}), host="127.0.0.1", port=port, log_level="error",
-                                        lifespan="on", http=protocol, timeout_graceful_shutdown=1))
+                                        lifespan="on", http=protocol, timeout_graceful_shutdown=1,
+                                        timeout_keep_alive=keep_alive_s))
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     try:
@@ -123,6 +126,33 @@ def test_ended_connections_leave_nothing_to_the_cyclic_collector(server):
         for s in holders:
             s.close()
     assert not {k: n for k, n in left.items() if k in OURS} and closures == 0, left.most_common(20)
+
+
+def test_connections_reset_after_their_answer_leave_nothing_to_the_cyclic_collector():
+    """Answered and kept alive, then reset by the client: uvicorn keeps its keep-alive timer
+    after a reset, and the request's cycle calls back a method of the protocol; both made
+    cycles that only a full collection freed (18 000 connections, 100 MiB, under a flood)."""
+    with serving(ConnectionLimits(max_connections=64, header_timeout_s=3.0), keep_alive_s=0.3) as port:
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for _ in range(5):
+                s = socket.create_connection(("127.0.0.1", port))
+                s.settimeout(5)
+                s.sendall(b"GET /wait?s=0 HTTP/1.1\r\nHost: x\r\n\r\n")  # kept alive after its answer
+                got = b""
+                while b"\r\n\r\n" not in got:
+                    got += s.recv(4096)
+                assert got.startswith(b"HTTP/1.1 200") and b"connection: close" not in got.lower()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.close()  # a reset
+            time.sleep(1.0)  # the resets seen, and the keep-alive deadlines passed
+            gc.collect()
+            left = collections.Counter(type(o).__qualname__.rsplit(".", 1)[-1] for o in gc.garbage)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    assert not {k: n for k, n in left.items() if k in OURS + ("TimerHandle",)}, left.most_common(20)
 
 
 def test_a_refused_whole_request_takes_the_next_place_that_comes_free():

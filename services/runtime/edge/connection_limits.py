@@ -44,6 +44,8 @@ class ConnectionStats:
     bodies_too_slow = 0
     bodies_too_fragmented = 0
     probes_at_the_door = 0    # GET /healthz of refused newcomers answered without a place
+    probes_at_accept = 0      # GET /healthz answered the moment its connection was accepted (door)
+    gone_at_accept = 0        # connections reset, or closed with no whole request, before they were accepted
     taken_late = 0            # refused newcomers whose whole request came while their 503 waited
     starts_deferred = 0       # requests whose app started in a later turn of the loop (start_turns)
     reads_deferred = 0        # paused uploads whose next read waited for a later turn (read_turns)

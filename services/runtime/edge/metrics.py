@@ -28,6 +28,11 @@ class EdgeCollector:
                  "then taken beyond the limit after all."),
                 ("onecard_probes_answered_at_the_door", self.stats.probes_at_the_door,
                  "GET /healthz of newcomers refused at max_connections, answered at once without a place."),
+                ("onecard_probes_answered_at_accept", self.stats.probes_at_accept,
+                 "GET /healthz answered the moment its connection was accepted, ahead of the others."),
+                ("onecard_connections_gone_at_accept", self.stats.gone_at_accept,
+                 "Connections reset, or closed without a whole request, by their client before they were "
+                 "accepted: closed at once."),
                 ("onecard_bodies_too_slow", self.stats.bodies_too_slow,
                  "Request bodies cut for arriving under min_body_rate_bytes_s (408)."),
                 ("onecard_bodies_too_fragmented", self.stats.bodies_too_fragmented,

@@ -173,10 +173,14 @@ def main() -> int:
         print(f"{name}: cannot build the app {spec!r}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         return EXIT_START_FAILED
 
+    import asyncio
+
     import uvicorn
 
     from services.runtime.edge.auth_failures import AuthFailureGate, FailureLimiter
     from services.runtime.edge.connection_limits import limits_from_settings
+    from services.runtime.edge.connection_room import too_many_connections
+    from services.runtime.edge.door import Door
     from services.runtime.edge.metrics import EdgeCollector
     from services.runtime.edge.protocol import ConnectionStats, guarded_protocol
     from services.runtime.edge.send_deadline import KernelQueueLinger
@@ -193,6 +197,8 @@ def main() -> int:
     else:  # an ASGI app built without the shell: credential guessing is still slowed down
         app = AuthFailureGate(app, FailureLimiter(10, 60.0))
     drain_s = _seconds(env, "ONECARD_DRAIN_S", "ONECARD_GRACE_S", default=8.0)
+    # answered at the door only where the route is answered ahead too (no middleware of the service's own)
+    door_answer = health_at_the_door(shell) if isinstance(app, HealthAnswer) else None
     config = uvicorn.Config(
         app,
         host=env.get("ONECARD_SERVICE_HOST", "127.0.0.1"),
@@ -202,9 +208,7 @@ def main() -> int:
         timeout_graceful_shutdown=drain_s,
         timeout_keep_alive=getattr(settings, "keepalive_timeout_s", 5.0),
         lifespan="on",
-        # answered at the door only where the route is answered ahead too (no middleware of the service's own)
-        http=guarded_protocol(limits, linger=linger,
-                              probe_answer=health_at_the_door(shell) if isinstance(app, HealthAnswer) else None),
+        http=guarded_protocol(limits, linger=linger, probe_answer=door_answer),
         ws="none",  # no route takes a WebSocket; an installed library must not bypass the guarded protocol
         backlog=min(2048, limits.max_connections * 2),
     )
@@ -213,6 +217,14 @@ def main() -> int:
 
     class Server(uvicorn.Server):
         drained = False
+        door: Door | None = None
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            door = Door(asyncio.get_running_loop(), ConnectionStats, door_answer,
+                        too_many_connections(limits.max_connections), limits.max_connections)
+            if self.started and door.open(self.servers):
+                self.door = door
 
         def handle_exit(self, sig, frame):  # readiness goes 503 the moment the drain starts
             if shell is not None:
@@ -225,6 +237,8 @@ def main() -> int:
             self.drained = True  # not reached when the drain timeout cancels the wait
 
         async def shutdown(self, sockets=None) -> None:
+            if self.door is not None:  # no newcomer from here, as the servers' own close does
+                self.door.close()
             await super().shutdown(sockets)
             # uvicorn re-raises the signal it caught once it is done, so a clean drain would
             # look like death by SIGTERM (143); the exit code says how the drain went instead

@@ -1,0 +1,215 @@
+"""The service port's door (services.runtime.edge.door) on a real listening socket and a real
+event loop: the clients connect (and write, reset or close) while the loop is not running,
+so that what waits in the accept queue is known when the door looks at it."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import time
+
+import httpx
+import pytest
+
+from services.runtime.edge.connection_limits import ConnectionStats
+from services.runtime.edge.door import SETUPS_PER_TURN, Door
+
+PROBE = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+REFUSAL = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+
+class Stats(ConnectionStats):
+    pass
+
+
+class Recorder(asyncio.Protocol):
+    """What the door handed on: the first bytes each connection brought, in order."""
+    made: list[Recorder] = []
+
+    def __init__(self):
+        self.data = b""
+        self.turn = Door_turn[0]
+
+    def connection_made(self, transport):
+        Recorder.made.append(self)
+        self.transport = transport
+
+    def data_received(self, data):
+        self.data += data
+
+
+Door_turn = [0]
+
+
+def probe_answer(request: bytes) -> bytes | None:
+    return b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok" \
+        if request.startswith(b"GET /healthz ") else None
+
+
+@pytest.fixture()
+def door():
+    loop = asyncio.new_event_loop()
+    Recorder.made = []
+    for name in [n for n in vars(Stats) if not n.startswith("_")]:
+        setattr(Stats, name, 0)
+    server = loop.run_until_complete(loop.create_server(Recorder, "127.0.0.1", 0, backlog=256))
+    d = Door(loop, Stats, probe_answer, REFUSAL, max_waiting=64)
+    assert d.open([server])
+    clients: list[socket.socket] = []
+    try:
+        yield d, server.sockets[0].getsockname()[1], clients
+    finally:
+        for c in clients:
+            c.close()
+        d.close()
+        server.close()
+        loop.run_until_complete(server.wait_closed())
+        for r in Recorder.made:
+            r.transport.close()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
+
+
+def connect(port: int, clients: list, data: bytes = b"", then: str = "") -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port))
+    s.settimeout(5)
+    clients.append(s)
+    if data:
+        s.sendall(data)
+    if then == "reset":
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+    elif then == "close":
+        s.close()
+    elif then == "shut":
+        s.shutdown(socket.SHUT_WR)
+    return s
+
+
+def turns(d: Door, n: int) -> None:
+    """n turns of the loop, exactly (run_forever with its stop already asked for runs one)."""
+    for _ in range(n):
+        Door_turn[0] += 1
+        d.loop.call_soon(d.loop.stop)
+        d.loop.run_forever()
+    time.sleep(0.01)
+
+
+def test_connections_their_clients_left_are_closed_at_the_door_and_the_rest_handed_on(door):
+    d, port, clients = door
+    connect(port, clients, b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n", then="reset")  # answer unreadable
+    connect(port, clients, then="close")                                       # not a byte
+    connect(port, clients, b"GET /half HTTP/1.1\r\nHo", then="shut")             # half, never whole
+    kept = connect(port, clients, b"GET /kept HTTP/1.1\r\nHost: x\r\n\r\n")
+    shut = connect(port, clients, b"GET /shut HTTP/1.1\r\nHost: x\r\n\r\n", then="shut")  # may still read
+    slow = connect(port, clients)                                              # nothing yet: a client on its way
+    time.sleep(0.1)  # the resets and FINs are in
+    turns(d, 6)
+    assert Stats.gone_at_accept == 3
+    assert [r.data.split(b" HTTP")[0] for r in Recorder.made] == [b"GET /kept", b"", b"GET /shut"]
+    assert len(Recorder.made) == 3 and {kept, shut, slow} <= set(clients)
+
+
+def test_a_whole_probe_is_answered_at_the_door_ahead_of_the_others(door):
+    d, port, clients = door
+    for _ in range(40):
+        connect(port, clients, b"GET /work HTTP/1.1\r\nHost: x\r\n\r\n")
+    probe = connect(port, clients, PROBE)
+    half_probe = connect(port, clients, PROBE[:10])  # not whole yet: handed on as any other
+    time.sleep(0.05)
+    turns(d, 1)
+    assert probe.recv(4096).endswith(b"\r\n\r\nok") and probe.recv(4096) == b""  # answered and closed
+    assert Stats.probes_at_accept == 1 and len(Recorder.made) < 40  # before the others were set up
+    turns(d, 8)
+    assert len(Recorder.made) == 41 and half_probe in clients
+
+
+def test_set_ups_are_spread_over_turns_and_those_whose_client_closed_its_side_go_last(door):
+    d, port, clients = door
+    for _ in range(5):
+        connect(port, clients, b"GET /shut HTTP/1.1\r\nHost: x\r\n\r\n", then="shut")
+    for _ in range(40):
+        connect(port, clients, b"GET /live HTTP/1.1\r\nHost: x\r\n\r\n")
+    time.sleep(0.05)
+    turns(d, 12)
+    assert len(Recorder.made) == 45
+    per_turn: dict[int, int] = {}
+    for r in Recorder.made:
+        per_turn[r.turn] = per_turn.get(r.turn, 0) + 1
+    assert max(per_turn.values()) <= SETUPS_PER_TURN and len(per_turn) >= 3, per_turn
+    turns(d, 2)
+    assert [r.data.split(b" HTTP")[0] for r in Recorder.made][-5:] == [b"GET /shut"] * 5
+
+
+def test_past_max_waiting_a_newcomer_gets_its_refusal_at_once(door):
+    d, port, clients = door
+    for _ in range(80):
+        connect(port, clients, b"GET /live HTTP/1.1\r\nHost: x\r\n\r\n")
+    time.sleep(0.05)
+    turns(d, 1)
+    refused = [c for c in clients if _answer_or_none(c) == REFUSAL]
+    assert Stats.refused == 16 and len(refused) == 16
+    turns(d, 10)
+    assert len(Recorder.made) == 64
+
+
+def test_closed_the_door_accepts_no_more_and_lets_the_queued_go(door):
+    d, port, clients = door
+    for _ in range(40):
+        connect(port, clients, b"GET /live HTTP/1.1\r\nHost: x\r\n\r\n")
+    time.sleep(0.05)
+    turns(d, 1)
+    queued = d.queued
+    assert 0 < queued < 40
+    d.close()
+    turns(d, 4)
+    assert len(Recorder.made) == 40 - queued
+    late = connect(port, clients, PROBE)
+    turns(d, 2)
+    assert _answer_or_none(late) is None  # nobody accepts it now
+
+
+def _answer_or_none(s: socket.socket) -> bytes | None:
+    s.settimeout(0.05)
+    try:
+        return s.recv(4096)
+    except (TimeoutError, BlockingIOError):
+        return None
+    except OSError:
+        return b""
+
+
+def test_a_real_service_answers_at_its_door(tmp_path):
+    """A service process stopped (SIGSTOP) while clients reset their connections and a probe
+    sends its whole request: resumed, it closes the reset ones without a protocol and answers
+    the probe as it accepts it; the metrics say so."""
+    import os
+    import re
+    import signal
+
+    from tests.service_harness import ServiceProcess
+
+    with ServiceProcess("tests.children.scripted_app:create_app", {}, tmp_path) as svc:
+        port = int(svc.url.rsplit(":", 1)[1])
+        os.kill(svc.proc.pid, signal.SIGSTOP)
+        clients: list[socket.socket] = []
+        try:
+            for _ in range(5):
+                connect(port, clients, b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n", then="reset")
+            probe = connect(port, clients, PROBE)
+        finally:
+            os.kill(svc.proc.pid, signal.SIGCONT)
+        try:
+            answer = b""
+            while chunk := probe.recv(4096):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200") and b"connection: close" in answer.lower(), answer
+            metrics = httpx.get(svc.url + "/metrics", timeout=30).text
+        finally:
+            for c in clients:
+                c.close()
+        counts = {name: float(value) for name, value in re.findall(r"^(onecard_\w+_at_accept_total) (\S+)$",
+                                                                  metrics, re.M)}
+        assert counts == {"onecard_probes_answered_at_accept_total": 1.0,
+                          "onecard_connections_gone_at_accept_total": 5.0}, counts
