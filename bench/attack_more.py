@@ -1,6 +1,7 @@
 """More attacks of the issue's classes, found by a review of the soak (helper-33): framing that
-never ends, connection churn on the probe port, big extras answers, and ordinary listing
-readers. Each is what a client without credentials can do; run by bench/attack_soak.py."""
+never ends, connection churn on the probe port, big extras answers, ordinary listing
+readers, and clients that send a request and leave without its answer. Each is what a
+client without credentials can do; run by bench/attack_soak.py."""
 
 from __future__ import annotations
 
@@ -133,9 +134,39 @@ def listing_readers(u, ctx) -> Result:
     return {"statuses": tally(got), "notes": {"jobs": len(ids), "reads": len(got)}}
 
 
+def send_and_hang_up(u, ctx) -> Result:
+    """32 clients on the jobs and detect ports (16 each), 20 s: each connection sends a whole
+    request, waits 0-10 ms and leaves without reading its answer, half of them with a reset
+    (SO_LINGER 0), half with a close (from helper-35's review: 5 500 connections a second)."""
+    import random
+    sent = {"reset": 0, "close": 0}
+    lock = threading.Lock()
+    t_end = time.monotonic() + 20
+
+    def client(i: int) -> dict:
+        port, path = (u.ports["jobs"], "/v1/jobs/" + "0" * 32) if i % 2 else (u.ports["detect"], "/nope")
+        how = "reset" if i % 4 < 2 else "close"
+        while time.monotonic() < t_end:
+            try:
+                s = socket.create_connection((HOST, port), timeout=10)
+                if how == "reset":
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+                time.sleep(random.random() * 0.01)
+                s.close()
+            except OSError:
+                continue
+            with lock:
+                sent[how] += 1
+        return {}
+    concurrently(client, 32)
+    return {"statuses": {}, "notes": sent}
+
+
 MORE_ATTACKS = [
     ("B19 endless chunk framing (trailer value, size zeros)", endless_chunk_framing),
     ("B20 probe port connect-and-close churn", probe_port_churn),
     ("B21 big extras upscales (RSS back)", extras_upscales),
     ("B22 16 readers of 500-job listings", listing_readers),
+    ("B23 requests sent and hung up on (reset, close)", send_and_hang_up),
 ]

@@ -8,12 +8,12 @@ whatever had become of it: 32 clients that each sent a request and hung up witho
 clients had already left, and every connection accepted in a turn was set up in the next
 (a turn of 1 024 set-ups: 200 ms). Here, as each one is accepted (up to the backlog in a
 turn, as asyncio does):
-- one its client has reset, or closed without a whole request, is closed there;
+- one its client has reset, or closed without sending a byte, is closed there;
 - a whole ``GET /healthz`` is answered there (the route's own answer, health_at_the_door),
   ahead of the connections accepted with it;
 - the others queue for asyncio (connect_accepted_socket), SETUPS_PER_TURN a turn: those
-  whose client has closed its side after a whole request (it may still read the answer)
-  after the rest, and the oldest of them closed past CLOSED_QUEUE; past max_connections
+  whose client has closed its side (it may still read its answer, or the 400 for half a
+  request) after the rest, and the oldest of them closed past CLOSED_QUEUE; past max_connections
   waiting, a newcomer gets its 503 at once (the room would refuse it anyway).
 """
 
@@ -121,10 +121,8 @@ class Door:
         conn.setblocking(False)
         head = _peek(conn)
         state = tcp_state(conn)
-        if state == TCP_CLOSE_WAIT and not whole_request(head or b""):
-            head = _peek(conn) or b""  # the rest may have come with the FIN
-            if not whole_request(head):
-                head = b""  # half a request that can never be whole
+        if state == TCP_CLOSE_WAIT and not head:
+            head = _peek(conn) or b""  # a byte may have come with the FIN
         if head == b"" or state == TCP_CLOSE:  # reset (its answer could never be read), or nothing to answer
             self.stats.gone_at_accept += 1
             conn.close()

@@ -67,6 +67,7 @@ def health_at_the_door(shell: ServiceShell):
                                                                                               b"HTTP/1.0"):
             return None
         try:
+            shell.heartbeat.beat()  # answered on the event loop: it is turning
             status, doc = shell.health()
             body = JSONResponse(doc, status_code=status).body
         except Exception:  # noqa: BLE001 - the route answers it in the envelope; here it is refused as any other

@@ -23,6 +23,11 @@ class Heartbeat:
             self._handle = loop.call_later(self.PERIOD_S, beat)
         beat()
 
+    def beat(self) -> None:
+        """The loop runs now (called on it): a probe answered there, in the turn after a stall,
+        before the timer's beat of that turn, must not read the stall as still going on."""
+        self._last = time.monotonic()
+
     def stop(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
