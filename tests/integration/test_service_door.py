@@ -13,10 +13,9 @@ import httpx
 import pytest
 
 from services.runtime.edge.connection_limits import ConnectionStats
-from services.runtime.edge.door import SETUPS_PER_TURN, Door
+from services.runtime.edge.door import CLOSED_PER_TURN, SETUPS_PER_TURN, Door
 
 PROBE = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
-REFUSAL = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
 class Stats(ConnectionStats):
@@ -54,7 +53,7 @@ def door():
     for name in [n for n in vars(Stats) if not n.startswith("_")]:
         setattr(Stats, name, 0)
     server = loop.run_until_complete(loop.create_server(Recorder, "127.0.0.1", 0, backlog=256))
-    d = Door(loop, Stats, probe_answer, REFUSAL, max_waiting=64)
+    d = Door(loop, Stats, probe_answer, max_waiting=64)
     assert d.open([server])
     clients: list[socket.socket] = []
     try:
@@ -107,8 +106,8 @@ def test_connections_their_clients_left_are_closed_at_the_door_and_the_rest_hand
     slow = connect(port, clients)                                              # nothing yet: a client on its way
     time.sleep(0.1)  # the resets and FINs are in
     turns(d, 6)
-    assert Stats.gone_at_accept == 3
-    assert [r.data.split(b" HTTP")[0] for r in Recorder.made] == [b"GET /kept", b"", b"GET /half", b"GET /shut"]
+    assert Stats.gone_at_accept == 4  # the whole request whose client closed its side: left before it was taken
+    assert [r.data.split(b"\r\n")[0] for r in Recorder.made] == [b"GET /kept HTTP/1.1", b"", b"GET /half HTTP/1.1"]
     assert {kept, shut, slow, half} <= set(clients)
 
 
@@ -129,7 +128,7 @@ def test_a_whole_probe_is_answered_at_the_door_ahead_of_the_others(door):
 def test_set_ups_are_spread_over_turns_and_those_whose_client_closed_its_side_go_last(door):
     d, port, clients = door
     for _ in range(5):
-        connect(port, clients, b"GET /shut HTTP/1.1\r\nHost: x\r\n\r\n", then="shut")
+        connect(port, clients, b"GET /shut HTTP/1.1\r\nHo", then="shut")  # half a request: its 400 to come
     for _ in range(40):
         connect(port, clients, b"GET /live HTTP/1.1\r\nHost: x\r\n\r\n")
     time.sleep(0.05)
@@ -141,18 +140,22 @@ def test_set_ups_are_spread_over_turns_and_those_whose_client_closed_its_side_go
     assert max(per_turn.values()) <= SETUPS_PER_TURN and len(per_turn) >= 3, per_turn
     turns(d, 2)
     assert [r.data.split(b" HTTP")[0] for r in Recorder.made][-5:] == [b"GET /shut"] * 5
+    last = [r.turn for r in Recorder.made][-5:]  # a few a turn: each is the loop's work for a 400 nobody may read
+    assert max(last.count(t) for t in last) == CLOSED_PER_TURN == 4 and len(set(last)) == 2, last
 
 
-def test_past_max_waiting_a_newcomer_gets_its_refusal_at_once(door):
+def test_with_max_waiting_queued_newcomers_wait_in_the_kernel_not_refused(door):
+    """The door refuses no one: with 64 waiting to be set up it stops accepting, and the rest
+    wait for the room's own decision (its overflow, its probe reserve, its paced refusals)."""
     d, port, clients = door
     for _ in range(80):
         connect(port, clients, b"GET /live HTTP/1.1\r\nHost: x\r\n\r\n")
     time.sleep(0.05)
     turns(d, 1)
-    refused = [c for c in clients if _answer_or_none(c) == REFUSAL]
-    assert Stats.refused == 16 and len(refused) == 16
-    turns(d, 10)
-    assert len(Recorder.made) == 64
+    assert d.queued + len(d._setups) == 64  # 16 of them on their way to a protocol already
+    assert all(_answer_or_none(c) is None for c in clients) and Stats.refused == 0
+    turns(d, 12)
+    assert len(Recorder.made) == 80
 
 
 def test_closed_the_door_accepts_no_more_and_lets_the_queued_go(door):
@@ -214,3 +217,19 @@ def test_a_real_service_answers_at_its_door(tmp_path):
                                                                   metrics, re.M)}
         assert counts == {"onecard_probes_answered_at_accept_total": 1.0,
                           "onecard_connections_gone_at_accept_total": 5.0}, counts
+
+
+def test_a_queued_connection_its_client_left_meanwhile_is_not_set_up(door):
+    d, port, clients = door
+    for _ in range(40):
+        connect(port, clients, b"GET /live HTTP/1.1\r\nHost: x\r\n\r\n")
+    time.sleep(0.05)
+    turns(d, 1)  # 16 on their way, 24 waiting
+    assert d.queued == 24
+    for c in clients[-10:]:  # the last ten leave: five reset, five close after their whole request
+        if c in clients[-5:]:
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        c.close()
+    time.sleep(0.1)
+    turns(d, 8)
+    assert len(Recorder.made) == 30 and Stats.gone_at_accept == 10

@@ -31,8 +31,8 @@ class EdgeCollector:
                 ("onecard_probes_answered_at_accept", self.stats.probes_at_accept,
                  "GET /healthz answered the moment its connection was accepted, ahead of the others."),
                 ("onecard_connections_gone_at_accept", self.stats.gone_at_accept,
-                 "Connections reset, or closed without a whole request, by their client before they were "
-                 "accepted: closed at once."),
+                 "Connections their client reset, closed without a byte, or closed after a whole request, "
+                 "before they were taken: closed at once (and half requests so closed, past 64 waiting)."),
                 ("onecard_bodies_too_slow", self.stats.bodies_too_slow,
                  "Request bodies cut for arriving under min_body_rate_bytes_s (408)."),
                 ("onecard_bodies_too_fragmented", self.stats.bodies_too_fragmented,

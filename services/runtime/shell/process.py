@@ -179,7 +179,6 @@ def main() -> int:
 
     from services.runtime.edge.auth_failures import AuthFailureGate, FailureLimiter
     from services.runtime.edge.connection_limits import limits_from_settings
-    from services.runtime.edge.connection_room import too_many_connections
     from services.runtime.edge.door import Door
     from services.runtime.edge.metrics import EdgeCollector
     from services.runtime.edge.protocol import ConnectionStats, guarded_protocol
@@ -221,9 +220,9 @@ def main() -> int:
 
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
-            door = Door(asyncio.get_running_loop(), ConnectionStats, door_answer,
-                        too_many_connections(limits.max_connections), limits.max_connections)
-            if self.started and door.open(self.servers):
+            door = Door(asyncio.get_running_loop(), ConnectionStats, door_answer)
+            # (over TLS the door would hand on connections without the server's context)
+            if self.started and not config.ssl and door.open(self.servers):
                 self.door = door
 
         def handle_exit(self, sig, frame):  # readiness goes 503 the moment the drain starts
