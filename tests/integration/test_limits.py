@@ -301,7 +301,8 @@ def test_bodies_their_clients_stopped_sending_make_room_for_a_newcomer(svc):
             stalled.append(s)
         time.sleep(STALLED_BODY_S + 0.5)
         t0 = time.monotonic()
-        r = httpx.get(svc.url + "/healthz", timeout=5)
+        # (not /healthz: the door may answer that one as it accepts it, without a place)
+        r = httpx.get(svc.url + "/wait?s=0", timeout=5)
         assert r.status_code == 200, r.text
         first = _read_until_closed(stalled[0], 5)  # the one stalled the longest made room
         assert first.startswith(b"HTTP/1.1 408") and b"body_stalled" in first, first[:200]

@@ -864,17 +864,20 @@ def test_the_door_answers_only_a_plain_get_of_healthz_and_never_raises():
 
     from services.runtime.shell.health_answer import health_at_the_door
 
-    shell = SimpleNamespace(instance="tok\r\nset-cookie: x=1", health=lambda: (200, {"status": "ok"}))
+    beats = []
+    shell = SimpleNamespace(instance="tok\r\nset-cookie: x=1", health=lambda: (200, {"status": "ok"}),
+                            heartbeat=SimpleNamespace(beat=lambda: beats.append(1)))
     door = health_at_the_door(shell)
     answer = door(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"status":"ok"}')
+    assert beats == [1]  # answered on the loop: it counts as the loop's beat
     assert b"set-cookie" not in answer.split(b"\r\n\r\n")[0]  # a value with a line break is left out
     assert door(b"GET /healthz FOO/9\r\n\r\n") is None and door(b"HEAD /healthz HTTP/1.1\r\n\r\n") is None
     assert door(b"GET /healthz?x=1 HTTP/1.1\r\n\r\n") is None
 
     def broken():
         raise RuntimeError("the part cannot say")
-    assert health_at_the_door(SimpleNamespace(instance="", health=broken))(
+    assert health_at_the_door(SimpleNamespace(instance="", health=broken, heartbeat=shell.heartbeat))(
         b"GET /healthz HTTP/1.1\r\n\r\n") is None  # refused as any other; the route answers it
 
 
