@@ -233,3 +233,35 @@ def test_a_queued_connection_its_client_left_meanwhile_is_not_set_up(door):
     time.sleep(0.1)
     turns(d, 8)
     assert len(Recorder.made) == 30 and Stats.gone_at_accept == 10
+
+
+def _can_take(niceness: int) -> bool:
+    """Whether a thread of this process may run at `niceness` (root with CAP_SYS_NICE, say)."""
+    import os
+    import threading
+    took: list[bool] = []
+
+    def try_it() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+            took.append(True)
+        except OSError:
+            took.append(False)
+    t = threading.Thread(target=try_it)
+    t.start()
+    t.join()
+    return took[0]
+
+
+def test_a_real_service_runs_its_event_loop_ahead_of_other_processes_where_allowed(tmp_path):
+    """The loop thread runs at LOOP_NICENESS where the OS allows it (here if a thread of this
+    process may take it); elsewhere as it was."""
+    import os
+
+    from services.runtime.device.threads import LOOP_NICENESS
+    from tests.service_harness import ServiceProcess
+
+    with ServiceProcess("tests.children.scripted_app:create_app", {}, tmp_path) as svc:
+        main = os.getpriority(os.PRIO_PROCESS, svc.proc.pid)  # the main thread: its id is the pid
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        assert main == (LOOP_NICENESS if _can_take(LOOP_NICENESS) and mine > LOOP_NICENESS else mine), main

@@ -177,6 +177,7 @@ def main() -> int:
 
     import uvicorn
 
+    from services.runtime.device.threads import raise_loop_priority
     from services.runtime.edge.auth_failures import AuthFailureGate, FailureLimiter
     from services.runtime.edge.connection_limits import limits_from_settings
     from services.runtime.edge.door import Door
@@ -243,6 +244,7 @@ def main() -> int:
             # look like death by SIGTERM (143); the exit code says how the drain went instead
             self._captured_signals.clear()
 
+    raise_loop_priority()  # this thread runs the event loop
     server = Server(config)
     try:
         server.run()
