@@ -54,6 +54,17 @@ def waiting_bytes(fd: int, limit: int) -> bytes:
         peek.close()
 
 
+def peek(sock: socket.socket, limit: int) -> bytes | None:
+    """Up to ``limit`` bytes waiting on a non-blocking socket, left there: None when nothing
+    yet, b"" when its client closed or reset it."""
+    try:
+        return sock.recv(limit, socket.MSG_PEEK)
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError:
+        return b""
+
+
 TCP_CLOSE = 7        # linux/tcp_states.h: reset (or closed both ways)
 TCP_CLOSE_WAIT = 8   # linux/tcp_states.h: the peer's FIN is in
 

@@ -27,7 +27,8 @@ import socket
 from collections.abc import Callable
 
 from common import http1
-from common.socket_queues import peer_closed
+from common.accepting import accept_one, pause
+from common.socket_queues import peek, peer_closed
 from supervisor.config.settings import SupervisorSettings
 from supervisor.servers import connection_slots
 from supervisor.servers.connection_slots import ClosableServer, Slots
@@ -36,8 +37,6 @@ BACKLOG = 1024
 # connections accepted in one turn of the loop: those with a whole request are answered in it,
 # so the turn stays short (a flood of /metrics requests must not hold the loop)
 ACCEPT_BATCH = 64
-ACCEPT_RETRY_S = 0.1  # out of descriptors or buffers: accepting pauses this long (asyncio: 1 s)
-OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 ALL_INTERFACES = ("", "*")
 ALLOW = (("Allow", "GET, HEAD"),)
 
@@ -53,17 +52,6 @@ AT_ONCE = tuple(f"{method} {path} ".encode() for method in ("GET", "HEAD") for p
 
 def _probe_at_once(head: bytes) -> bool:
     return head.startswith(AT_ONCE) and len(head) <= http1.MAX_HEAD and http1.whole_request(head)
-
-
-def _peek(conn: socket.socket) -> bytes | None:
-    """What waits on a new connection, left there; None when nothing yet, b"" when its client
-    closed or reset it."""
-    try:
-        return conn.recv(connection_slots.MAX_PEEK, socket.MSG_PEEK)
-    except (BlockingIOError, InterruptedError):
-        return None
-    except OSError:
-        return b""
 
 
 class ProbePortError(Exception):
@@ -138,29 +126,20 @@ class ProbePortServer(ClosableServer):
     def _accept(self, listener: socket.socket) -> None:
         for _ in range(ACCEPT_BATCH):
             try:
-                conn, _ = listener.accept()
-            except (BlockingIOError, InterruptedError):
+                conn = accept_one(listener)
+            except OSError:
+                pause(asyncio.get_running_loop(), listener, self._accept, listener)
                 return
-            except OSError as exc:
-                if exc.errno in OUT_OF_RESOURCES:
-                    # the listener stays readable: asked again at once, the loop would spin on it
-                    loop = asyncio.get_running_loop()
-                    loop.remove_reader(listener.fileno())
-                    loop.call_later(ACCEPT_RETRY_S, self._resume_accepting, listener)
-                return  # else (a connection aborted before it was taken): the next one, next turn
+            if conn is None:
+                return
             self._take(conn)
 
-    def _resume_accepting(self, listener: socket.socket) -> None:
-        if listener in self._listeners:  # not closed meanwhile
-            asyncio.get_running_loop().add_reader(listener.fileno(), self._accept, listener)
-
     def _take(self, conn: socket.socket) -> None:
-        conn.setblocking(False)
-        head = _peek(conn)
+        head = peek(conn, connection_slots.MAX_PEEK)
         if head and not _probe_at_once(head) and peer_closed(conn):
             # its client has closed: the rest may have come with the FIN (a whole request still
             # gets its answer); a half one can never be whole, and the stream would not answer it
-            head = _peek(conn) or b""
+            head = peek(conn, connection_slots.MAX_PEEK) or b""
             if not http1.whole_request(head):
                 head = b""
         if head is not None and _probe_at_once(head):

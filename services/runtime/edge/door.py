@@ -24,22 +24,20 @@ turn, as asyncio does):
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import socket
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from common.accepting import RETRY_S, accept_one, pause
 from common.http1 import whole_request
-from common.socket_queues import TCP_CLOSE, TCP_CLOSE_WAIT, tcp_state
+from common.socket_queues import TCP_CLOSE, TCP_CLOSE_WAIT, peek, tcp_state
 
 log = logging.getLogger("onecard.edge")
 
 MAX_PEEK = 16 * 1024       # a probe's whole request is far smaller
-ACCEPT_RETRY_S = 0.1       # out of descriptors or buffers: accepting pauses this long (asyncio: 1 s)
-WARN_EVERY_S = 10.0        # and says so at most this often
-OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+WARN_EVERY_S = 10.0        # out of descriptors: said at most this often
 # accepted in one turn, as asyncio does (its backlog): 64 left the probes behind a longer
 # kernel queue (32 clients sending and resetting: jobs p99 26 ms against 11)
 ACCEPT_BATCH = 1024
@@ -48,17 +46,6 @@ LOOKS_PER_TURN = 128       # queued ones looked at again in a turn (a few us eac
 MAX_WAITING = 512          # accepted and waiting to be set up; beyond, newcomers wait in the kernel's queue
 CLOSED_QUEUE = 64          # half requests whose client closed its side, waiting to be set up (for their 400)
 CLOSED_PER_TURN = 4        # of those, set up in a turn with no other waiting
-
-
-def _peek(conn: socket.socket) -> bytes | None:
-    """What waits on a new connection, left there; None when nothing yet, b"" when its client
-    closed or reset it."""
-    try:
-        return conn.recv(MAX_PEEK, socket.MSG_PEEK)
-    except (BlockingIOError, InterruptedError):
-        return None
-    except OSError:
-        return b""
 
 
 class Door:
@@ -111,36 +98,26 @@ class Door:
                 break  # the rest wait in the kernel's queue, for the room to decide on (its overflow,
                 #        its probe reserve, its paced refusals), as they did before the door
             try:
-                conn, _ = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                break
+                conn = accept_one(listener)
             except OSError as exc:
-                if exc.errno in OUT_OF_RESOURCES:
-                    # the listener stays readable: asked again at once, the loop would spin on it
-                    if self.loop.time() - self._warned_at >= WARN_EVERY_S:
-                        self._warned_at = self.loop.time()
-                        log.warning("service port: cannot accept (%s); accepting again in %.1f s", exc,
-                                    ACCEPT_RETRY_S)
-                    self.loop.remove_reader(listener.fileno())
-                    self.loop.call_later(ACCEPT_RETRY_S, self._resume, listener, factory)
-                break  # else (a connection aborted before it was taken): the next one, next turn
+                if self.loop.time() - self._warned_at >= WARN_EVERY_S:
+                    self._warned_at = self.loop.time()
+                    log.warning("service port: cannot accept (%s); accepting again in %.1f s", exc, RETRY_S)
+                pause(self.loop, listener, self._accept, listener, factory)
+                break
+            if conn is None:
+                break
             self._take(conn, factory)
         if self.queued and not self._draining:
             self._drain()
 
-    def _resume(self, listener: socket.socket, factory: Callable[[], asyncio.Protocol]) -> None:
-        if listener in self._listeners:  # not closed meanwhile
-            self.loop.add_reader(listener.fileno(), self._accept, listener, factory)
-
     def _take(self, conn: socket.socket, factory: Callable[[], asyncio.Protocol]) -> None:
-        conn.setblocking(False)
-        head = _peek(conn)
+        head = peek(conn, MAX_PEEK)
         state = tcp_state(conn)
         if state == TCP_CLOSE_WAIT and not head:
-            head = _peek(conn) or b""  # a byte may have come with the FIN
+            head = peek(conn, MAX_PEEK) or b""  # a byte may have come with the FIN
         if head == b"" or state == TCP_CLOSE:  # reset (its answer could never be read), or nothing to answer
-            self.stats.gone_at_accept += 1
-            conn.close()
+            self._drop(conn)
             return
         whole = bool(head) and whole_request(head)
         if whole and self.probe_answer is not None and self._answer(conn, head):
@@ -149,14 +126,12 @@ class Door:
             # its client left before it was taken (as nginx, which answers 499 to a client that
             # closes before its answer): 16 clients sending and closing at once had the app run
             # for each, and kept detect's /healthz p99 at 126 ms
-            self.stats.gone_at_accept += 1
-            conn.close()
+            self._drop(conn)
             return
         if state == TCP_CLOSE_WAIT:
             self._closed.append((conn, factory))
             if len(self._closed) > CLOSED_QUEUE:
-                self.stats.gone_at_accept += 1
-                self._closed.popleft()[0].close()
+                self._drop(self._closed.popleft()[0])
         else:
             self._waiting.append((conn, factory))
 
@@ -172,8 +147,7 @@ class Door:
             conn, factory = queue.popleft()
             looked += 1
             if queue is self._waiting and self._left(conn):
-                self.stats.gone_at_accept += 1
-                conn.close()
+                self._drop(conn)
                 continue
             n += 1
             task = self.loop.create_task(self._set_up(conn, factory))
@@ -189,7 +163,7 @@ class Door:
         state = tcp_state(conn)
         if state == TCP_CLOSE:
             return True
-        return state == TCP_CLOSE_WAIT and whole_request(_peek(conn) or b"")
+        return state == TCP_CLOSE_WAIT and whole_request(peek(conn, MAX_PEEK) or b"")
 
     def _answer(self, conn: socket.socket, head: bytes) -> bool:
         answer = self.probe_answer(head)
@@ -197,19 +171,15 @@ class Door:
             return False
         try:
             conn.recv(len(head))  # taken off the socket: a close with unread bytes is a reset
-        except OSError:
-            conn.close()
-            return True
-        self.stats.probes_at_accept += 1
-        self._send_and_close(conn, answer)
-        return True
-
-    @staticmethod
-    def _send_and_close(conn: socket.socket, data: bytes) -> None:
-        try:
-            conn.send(data)  # a fresh socket's buffer takes a few hundred bytes at once
+            conn.send(answer)     # a fresh socket's buffer takes a few hundred bytes at once
+            self.stats.probes_at_accept += 1
         except OSError:
             pass
+        conn.close()
+        return True
+
+    def _drop(self, conn: socket.socket) -> None:
+        self.stats.gone_at_accept += 1
         conn.close()
 
     async def _set_up(self, conn: socket.socket, factory: Callable[[], asyncio.Protocol]) -> None:
