@@ -34,7 +34,7 @@ OURS = ("GuardedHttpProtocol", "_SelectorSocketTransport", "RequestResponseCycle
 
 @contextlib.contextmanager
 def serving(limits: ConnectionLimits, pace_s: tuple[float, float] | None = None,
-            keep_alive_s: float = 5.0) -> Iterator[int]:
+            keep_alive_s: float = 5.0, starts_per_turn: int | None = None) -> Iterator[int]:
     """uvicorn with the guarded protocol on a thread of this process: its port; stopped on the
     way out, even when the test fails."""
     # uvicorn is handed the bound socket: a port closed here and bound again by uvicorn could be
@@ -45,6 +45,8 @@ def serving(limits: ConnectionLimits, pace_s: tuple[float, float] | None = None,
     protocol = guarded_protocol(limits)
     if pace_s is not None:
         protocol.pace_s = pace_s
+    if starts_per_turn is not None:
+        protocol.starts.per_turn = starts_per_turn
     srv = uvicorn.Server(uvicorn.Config(create_app({}), host="127.0.0.1", port=port, log_level="error",
                                         lifespan="on", http=protocol, timeout_graceful_shutdown=1,
                                         timeout_keep_alive=keep_alive_s))
@@ -153,6 +155,38 @@ def test_connections_reset_after_their_answer_leave_nothing_to_the_cyclic_collec
             gc.set_debug(0)
             gc.garbage.clear()
     assert not {k: n for k, n in left.items() if k in OURS + ("TimerHandle",)}, left.most_common(20)
+
+
+def test_requests_whose_clients_leave_before_their_turn_to_start_leave_nothing_behind():
+    """No request starts here but a probe (starts_per_turn 0): 32 clients send a request and
+    reset. The queue of starts held each connection whole until its turn came (a flood had
+    7 000 waiting, 150 000 objects for the collector), and a request whose app never ran kept
+    its protocol in a cycle through its response callback."""
+    with serving(ConnectionLimits(max_connections=64, header_timeout_s=3.0), starts_per_turn=0) as port:
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(32)]
+            for s in clients:
+                s.sendall(b"GET /wait?s=0 HTTP/1.1\r\nHost: x\r\n\r\n")
+            time.sleep(0.5)  # read, and waiting for a turn that never comes
+            for s in clients:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.close()
+            time.sleep(0.5)  # the resets seen
+            probe = _ask(port, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            deadline = time.monotonic() + 5  # the probe's connection ends a moment after its answer
+            while (alive := sum(1 for o in gc.get_objects() if type(o).__name__ == "GuardedHttpProtocol")) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
+            gc.collect()
+            left = collections.Counter(type(o).__qualname__.rsplit(".", 1)[-1] for o in gc.garbage)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    assert probe.startswith(b"HTTP/1.1 200")  # a probe starts at once
+    assert alive == 0  # none held by the queue of starts (nor the probe's, closed)
+    assert not {k: n for k, n in left.items() if k in OURS}, left.most_common(20)
 
 
 def test_a_refused_whole_request_takes_the_next_place_that_comes_free():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.runtime.edge.start_turns import StartTurns, is_probe
+from services.runtime.edge.start_turns import PendingStart, StartTurns, is_probe
 
 
 def one_turn(loop: asyncio.AbstractEventLoop) -> None:
@@ -36,3 +36,27 @@ def test_only_a_get_of_a_probes_path_is_prompt():
     assert is_probe({"method": "GET", "path": "/healthz"}) and is_probe({"method": "GET", "path": "/readyz"})
     assert not is_probe({"method": "POST", "path": "/healthz"})
     assert not is_probe({"method": "GET", "path": "/v1/jobs/x"})
+
+
+class _Cycle:
+    def __init__(self, disconnected: bool = False):
+        self.disconnected = disconnected
+
+
+def test_a_start_let_go_or_whose_client_left_is_skipped_without_using_its_turns_room():
+    loop = asyncio.new_event_loop()
+    try:
+        turns, started = StartTurns(per_turn=2), []
+        run = lambda cycle, app: started.append(app)  # noqa: E731 - the protocol's own start
+        pending = [PendingStart(run, _Cycle(), i) for i in range(8)]
+        for p in pending:
+            turns.start(p, loop)
+        assert started == [0, 1] and turns.waiting == 6
+        for p in pending[2:6]:
+            p.let_go()  # their connections were lost
+        pending[6]._cycle.disconnected = True
+        one_turn(loop)
+        assert started == [0, 1, 7] and turns.waiting == 0
+        assert all(p._start is None and p._cycle is None and p._app is None for p in pending)  # nothing held
+    finally:
+        loop.close()
