@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -111,18 +112,40 @@ def error_doc(code: str, message: str, status: int | None = None) -> dict[str, A
 
 def _float(v: str | None) -> float | None:
     try:
-        return None if v in (None, "") else float(v)
+        f = None if v in (None, "") else float(v)
     except ValueError:
         return None
+    return f if f is None or math.isfinite(f) else None  # JSON has no NaN: a page of it was a 500
 
 
 def _json(v: str | None) -> Any:
     if not v:
         return None
     try:
-        return json.loads(v)
-    except ValueError:
+        return _json_safe(json.loads(v))
+    except (ValueError, RecursionError):
         return None
+
+
+def _json_safe(value: Any) -> Any:
+    """A stored document as JSON can carry it: a non-finite number (json.loads reads NaN) as
+    null, a lone surrogate (read from a \\ud800 escape) as U+FFFD. Either made every page that
+    showed it a 500."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, str):
+        if value.isascii():
+            return value
+        try:
+            value.encode("utf-8")
+            return value
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {_json_safe(k): _json_safe(v) for k, v in value.items()}
+    return value
 
 
 def public_view(fields: dict[str, str]) -> dict[str, Any]:

@@ -127,3 +127,24 @@ def test_listings_are_read_and_encoded_a_few_at_a_time_first_come_first_served()
     assert all(len(r.json()["jobs"]) == 5 for r in answers)
     assert state["most"] == 2
     assert state["order"] == [f"detect/haar/m{i}" for i in range(16)]
+
+
+@pytest.mark.parametrize("extra", [
+    {"state": "failed", "error": '{"code": "boom", "message": "x", "score": NaN}'},
+    {"state": "failed", "error": '{"code": "boom", "message": "bad \\ud800 text", "\\udfff": -Infinity}'},
+    {"state": "running", "progress": "nan", "last_error": '[Infinity, {"m": "\\udbff"}]'},
+    {"state": "succeeded", "created_at": "inf", "finished_at": "-inf", "started_at": "nan"},
+    {"state": "failed", "error": "[" * 100_000 + "]" * 100_000},  # deeper than json.loads goes
+])
+def test_a_stored_job_json_cannot_carry_as_such_is_still_shown(extra):
+    """NaN, infinities and lone surrogates read from a stored field made every page showing
+    the job a 500 (JSON has no NaN; UTF-8 has no lone surrogate)."""
+    fields = job(1, **extra)
+    single = JSONResponse(public_view(fields)).body  # GET /v1/jobs/{id}
+    page = EncodedViews(2**20).page("m", None, [fields], None)
+    for data in (single, page):
+        text = data.decode("utf-8")
+        assert "NaN" not in text and "Infinity" not in text
+        json.loads(text)
+    view = json.loads(single)
+    assert view["state"] == extra["state"] and view["created_at"] in (1.5, None)
