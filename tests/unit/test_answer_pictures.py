@@ -5,11 +5,13 @@ Pillow writes them, without a copy of the whole answer in one go."""
 from __future__ import annotations
 
 import io
+import re
 
 import numpy as np
 import pytest
 from PIL import Image
 
+import onecard
 from services.runtime.codecs.exif_segments import jpeg_pieces, webp_pieces
 from services.runtime.codecs.images import encode_image
 from services.runtime.codecs.pil_arrays import array_of
@@ -104,3 +106,24 @@ def test_a_lossless_webp_takes_exif_the_same_way_and_an_extended_one_is_left_as_
     with Image.open(io.BytesIO(data)) as im:
         assert comment_of(im) == "text" and np.array_equal(np.asarray(im.convert("RGB")), rgb)
     assert webp_pieces(data, exif_with("other")) == [data]
+
+
+@pytest.mark.parametrize(("picture", "fmt", "quality", "says"), [
+    (np.zeros((8, 8, 3), np.uint8), "gif", None, "cannot encode as 'gif'"),
+    (np.zeros((8, 8, 3), np.uint8), "jpeg", 2.5, "quality is a whole number"),
+    (np.zeros((8, 8, 3), np.uint8), "jpeg", 0, "quality is a whole number"),
+    (np.zeros((8, 8, 3), np.uint8), "webp", 101, "quality is a whole number"),
+    (np.zeros((8, 8, 3), np.uint8), "jpeg", True, "quality is a whole number"),
+    (np.zeros((8, 0, 3), np.uint8), "png", None, "empty picture (0x8)"),
+    (np.zeros((0, 8, 3), np.uint8), "jpeg", None, "empty picture (8x0)"),
+    (np.zeros(12, np.uint8), "png", None, "not ndarray(12,)"),
+    ([[1, 2], [3, 4]], "png", None, "not list"),
+])
+def test_a_misused_encode_is_told_what_is_wrong(picture, fmt, quality, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        onecard.encode_image(picture, fmt, quality)
+
+
+def test_a_numpy_quality_is_a_quality():
+    data, mime = onecard.encode_image(np.zeros((8, 8, 3), np.uint8), "jpeg", np.int64(50))
+    assert mime == "image/jpeg" and data[:2] == b"\xff\xd8"

@@ -16,6 +16,7 @@ its executor, never on the event loop.
 from __future__ import annotations
 
 import io
+import numbers
 import warnings
 from dataclasses import dataclass
 
@@ -285,6 +286,25 @@ PNG_PARAMS = [cv2.IMWRITE_PNG_COMPRESSION, 1, cv2.IMWRITE_PNG_STRATEGY, cv2.IMWR
               cv2.IMWRITE_PNG_FILTER, cv2.IMWRITE_PNG_FILTER_UP]
 
 
+def _check_encode_arguments(rgb: object, fmt: object, quality: object) -> None:
+    """A service's misuse said in its own words, before an encoder's (OpenCV's "bad argument",
+    an AttributeError, a quality of 0 taken for the default)."""
+    if fmt not in OUTPUT_FORMATS:
+        raise ValueError(f"cannot encode as {fmt!r}: the formats are {', '.join(sorted(OUTPUT_FORMATS))}")
+    if quality is not None and (not isinstance(quality, numbers.Integral) or isinstance(quality, bool)
+                                or not 1 <= quality <= 100):
+        raise ValueError(f"quality is a whole number from 1 to 100, not {quality!r}")
+    if isinstance(rgb, Image.Image):
+        width, height = rgb.size
+    elif isinstance(rgb, np.ndarray) and rgb.ndim in (2, 3):
+        height, width = rgb.shape[:2]
+    else:
+        raise ValueError(f"a picture is a Pillow image or a height x width (x channels) array, not "
+                         f"{type(rgb).__name__}{getattr(rgb, 'shape', '')}")
+    if width < 1 or height < 1:
+        raise ValueError(f"cannot encode an empty picture ({width}x{height})")
+
+
 def encode_image(rgb: np.ndarray | Image.Image, fmt: str, quality: int | None = None,
                  texts: dict[str, str] | None = None, exif: bytes | None = None) -> tuple[bytes, str]:
     """Encoder settings favour speed: PNG at the lowest compression level with run-length
@@ -293,6 +313,8 @@ def encode_image(rgb: np.ndarray | Image.Image, fmt: str, quality: int | None = 
     time: np.asarray held the GIL 82 ms for 40 MP). `texts`: PNG text chunks (keyword: text),
     tEXt or iTXt as Pillow writes them, right after the header. `exif`: an EXIF block for a
     JPEG or WebP answer (Image.Exif().tobytes()), put in as Pillow and libwebp write it."""
+    _check_encode_arguments(rgb, fmt, quality)
+    quality = None if quality is None else int(quality)  # numpy's integers too
     if texts and fmt != "png":
         raise ValueError(f"text chunks are for PNG answers, not {fmt!r}")
     if exif:
