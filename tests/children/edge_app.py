@@ -3,7 +3,9 @@
 GET /big?mb=N answers N MiB built for that request (its own memory, as an encoded
 image would be); GET /wait?s=S answers after S seconds of awaiting (no model, no
 thread); GET /whoami answers the client address the app sees; POST /late_read?s=S reads
-its body only after S seconds (as a service that admits a request before reading it).
+its body only after S seconds (as a service that admits a request before reading it);
+GET /until_disconnect?s=S&tag=T waits up to S seconds for its client to leave, and says in
+DISCONNECTS[T] whether it was told (in-process tests read it).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from tests.children.scripted_app import create_app as create_scripted_app
+
+DISCONNECTS: dict[str, bool] = {}
 
 
 def create_app(settings: dict[str, Any]) -> FastAPI:
@@ -28,6 +32,17 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
     async def wait(s: float = 1.0, tag: str = ""):
         await asyncio.sleep(s)
         return {"waited": s, "tag": tag}
+
+    @app.get("/until_disconnect")
+    async def until_disconnect(request: Request, s: float = 2.0, tag: str = ""):
+        try:
+            async with asyncio.timeout(s):
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+            DISCONNECTS[tag] = True
+        except TimeoutError:
+            DISCONNECTS[tag] = False
+        return {"tag": tag}
 
     @app.post("/late_read")
     async def late_read(request: Request, s: float = 1.0):

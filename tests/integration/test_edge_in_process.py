@@ -26,7 +26,7 @@ import uvicorn
 from services.runtime.edge.connection_limits import ConnectionLimits
 from services.runtime.edge.connection_room import STALLED_BODY_S
 from services.runtime.edge.protocol import guarded_protocol
-from tests.children.edge_app import create_app
+from tests.children.edge_app import DISCONNECTS, create_app
 
 OURS = ("GuardedHttpProtocol", "_SelectorSocketTransport", "RequestResponseCycle", "RefusedNewcomer",
         "SendWatch", "BodyRate", "TurnedFlowControl", "LingeringClose")
@@ -187,6 +187,25 @@ def test_requests_whose_clients_leave_before_their_turn_to_start_leave_nothing_b
     assert probe.startswith(b"HTTP/1.1 200")  # a probe starts at once
     assert alive == 0  # none held by the queue of starts (nor the probe's, closed)
     assert not {k: n for k, n in left.items() if k in OURS}, left.most_common(20)
+
+
+def test_a_request_answered_with_another_pipelined_behind_it_is_told_when_its_client_leaves(server):
+    """uvicorn told only the newest request: the one being answered never saw http.disconnect
+    (a GPU request not cancelled, an answer written on to a reset socket)."""
+    port = server
+    tag = f"piped-{time.monotonic_ns()}"
+    s = socket.create_connection(("127.0.0.1", port))
+    try:
+        s.sendall(f"GET /until_disconnect?s=5&tag={tag} HTTP/1.1\r\nHost: x\r\n\r\n"
+                  "GET /wait?s=0 HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        time.sleep(0.3)  # the first one started, the second waits behind it
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    finally:
+        s.close()
+    deadline = time.monotonic() + 10
+    while tag not in DISCONNECTS and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert DISCONNECTS.get(tag) is True
 
 
 def test_a_refused_whole_request_takes_the_next_place_that_comes_free():

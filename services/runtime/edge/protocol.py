@@ -160,9 +160,20 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                                                             quiet=self._gave_way):
                     linger.adopt(self.loop, sock)
             super().connection_lost(exc)
+            self._tell_all_disconnected()
             self._let_go()
             if admission.anyone_waiting:
                 admission.offer_place()
+
+        def _tell_all_disconnected(self) -> None:
+            """uvicorn tells only the newest request (self.cycle) that its client left: with a
+            request pipelined behind it, the one being answered never saw http.disconnect (its
+            GPU work was not cancelled; its answer went on being written to a reset socket,
+            each write a warning in the log)."""
+            for cycle, _ in [(self._active, None), *self.pipeline]:
+                if cycle is not None and cycle is not self.cycle and not cycle.response_complete:
+                    cycle.disconnected = True
+                    cycle.message_event.set()
 
         def _let_go(self) -> None:
             """Break the reference cycles a connection is made of (its watchers' callbacks
@@ -187,7 +198,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                     # a cycle whose app never ran to its end (uvicorn clears this then) held this
                     # protocol by its bound method: 6 000 clients a second sending and hanging up
                     # made 13 objects of cyclic garbage each, a collection of 8-14 ms 4 times a
-                    # second; a disconnected cycle never calls it (its send returns first)
+                    # second; every cycle is disconnected by now, and its send returns before it
                     cycle.on_response = _nothing
 
         def eof_received(self) -> bool | None:
