@@ -16,6 +16,7 @@ its executor, never on the event loop.
 from __future__ import annotations
 
 import io
+import math
 import numbers
 import warnings
 from dataclasses import dataclass
@@ -291,9 +292,9 @@ def _check_encode_arguments(rgb: object, fmt: object, quality: object) -> None:
     an AttributeError, a quality of 0 taken for the default)."""
     if fmt not in OUTPUT_FORMATS:
         raise ValueError(f"cannot encode as {fmt!r}: the formats are {', '.join(sorted(OUTPUT_FORMATS))}")
-    if quality is not None and (not isinstance(quality, numbers.Integral) or isinstance(quality, bool)
-                                or not 1 <= quality <= 100):
-        raise ValueError(f"quality is a whole number from 1 to 100, not {quality!r}")
+    if quality is not None and fmt != "png" and (not isinstance(quality, numbers.Real)
+                                                 or not math.isfinite(quality)):
+        raise ValueError(f"quality is a number (1 to 100), not {quality!r}")
     if isinstance(rgb, Image.Image):
         width, height = rgb.size
     elif isinstance(rgb, np.ndarray) and rgb.ndim in (2, 3):
@@ -305,6 +306,14 @@ def _check_encode_arguments(rgb: object, fmt: object, quality: object) -> None:
         raise ValueError(f"cannot encode an empty picture ({width}x{height})")
 
 
+def _quality(quality: float | None, fmt: str) -> int | None:
+    """As it always was taken (API 1.x): rounded, 0 for the format's default, clamped to
+    1..100; PNG has none."""
+    if quality is None or fmt == "png":
+        return None
+    return min(100, max(1, round(quality))) if round(quality) else None
+
+
 def encode_image(rgb: np.ndarray | Image.Image, fmt: str, quality: int | None = None,
                  texts: dict[str, str] | None = None, exif: bytes | None = None) -> tuple[bytes, str]:
     """Encoder settings favour speed: PNG at the lowest compression level with run-length
@@ -314,7 +323,7 @@ def encode_image(rgb: np.ndarray | Image.Image, fmt: str, quality: int | None = 
     tEXt or iTXt as Pillow writes them, right after the header. `exif`: an EXIF block for a
     JPEG or WebP answer (Image.Exif().tobytes()), put in as Pillow and libwebp write it."""
     _check_encode_arguments(rgb, fmt, quality)
-    quality = None if quality is None else int(quality)  # numpy's integers too
+    quality = _quality(quality, fmt)
     if texts and fmt != "png":
         raise ValueError(f"text chunks are for PNG answers, not {fmt!r}")
     if exif:
