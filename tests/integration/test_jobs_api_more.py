@@ -89,6 +89,7 @@ def test_the_listing_is_paginated_and_bounded(unit):
     for params, fragment in (({"model": MODEL, "state": "succeeded", "limit": 6}, "limit"),
                              ({"model": MODEL, "state": "succeeded", "limit": 0}, "limit"),
                              ({"model": MODEL, "state": "succeeded", "limit": "\u0663"}, "limit"),
+                             ({"model": MODEL, "state": "succeeded", "limit": "9" * 4301}, "limit"),
                              ({"model": MODEL, "state": "finished"}, "state"), ({"state": "queued"}, "model"),
                              ({"model": MODEL, "cursor": "9:"}, "cursor"),
                              ({"model": "x y", "state": "queued"}, "model"),
