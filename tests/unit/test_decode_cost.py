@@ -311,6 +311,15 @@ def test_json_answers_splice_big_base64_and_stay_valid_json():
     assert len(parts) > 1 and json.loads(json_bytes(doc)) == json.loads(json.dumps(doc))
 
 
+def test_a_json_answers_non_finite_numbers_are_null():
+    """json.dumps writes NaN and Infinity, which no strict JSON parser reads (a model's score)."""
+    blob = encode_base64(bytes(100_000))
+    doc = {"score": float("nan"), "box": [float("inf"), -float("inf"), 1.5], "image": blob}
+    text = json_bytes(doc).decode()
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"score": None, "box": [None, None, 1.5], "image": blob}
+
+
 def test_an_answers_big_strings_are_freed_by_their_counts_not_left_to_the_collector():
     """Nothing json_parts makes refers to itself: a self-calling closure did, and the cycle kept
     every answer's base64 pictures until a full collection, which the services run rarely

@@ -10,6 +10,7 @@ lane, and the answer is sent as its parts, never joined into one more copy.
 from __future__ import annotations
 
 import json
+import math
 import secrets
 from typing import Any
 
@@ -23,7 +24,7 @@ def json_parts(doc: Any) -> list[bytes]:
     """Compact JSON, as a list of byte strings to send one after the other."""
     big: list[str] = []
     mark = f"onecard-splice-{secrets.token_hex(8)}-"  # no caller's string can hold it
-    skeleton = json.dumps(_swap(doc, big, mark), separators=(",", ":"))
+    skeleton = json.dumps(_swap(doc, big, mark), separators=(",", ":"), allow_nan=False)
     if not big:
         return [skeleton.encode()]
     pieces = skeleton.split(mark)
@@ -46,6 +47,9 @@ def _swap(node: Any, big: list[str], mark: str) -> Any:
     if isinstance(node, str) and len(node) > SPLICE_OVER:
         big.append(node)
         return f"{mark}{len(big) - 1}"
+    if isinstance(node, float) and not math.isfinite(node):
+        return None  # JSON has no NaN (json.dumps writes it, strict parsers refuse it): as JSON.stringify
+
     if isinstance(node, dict):
         return {k: _swap(v, big, mark) for k, v in node.items()}
     if isinstance(node, (list, tuple)):
