@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import time
@@ -24,6 +23,8 @@ from services.jobs.records import (
     new_id,
     public_view,
     request_digest,
+    stored_int,
+    stored_object,
     valid_id,
 )
 from services.jobs.results import StreamedBody, first_piece, inline_parts
@@ -219,12 +220,13 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
             first = await first_piece(read, size) if size is not None else None
         except QueueUnavailable as exc:
             raise unavailable(svc, exc) from None
-        status = int(fields.get("result_status") or 0)
+        status = stored_int(fields.get("result_status"))
         if size is None or first is None or (state == FAILED and status < 400):
-            err = public_view(fields)["error"] or {}
+            err = public_view(fields)["error"]
+            err = err if isinstance(err, dict) else {}
             raise ApiError(409 if state == FAILED else 410, "job_failed" if state == FAILED else "result_expired",
                            f"job {job_id}: {err.get('message', 'no result')}")
-        headers = json.loads(fields.get("result_headers") or "{}")
+        headers = stored_object(fields.get("result_headers"))
         release = stream_slot()
         return StreamedBody(b"", b"", size, first, read, False,
                             fields.get("result_type") or "application/octet-stream", svc.cpu,

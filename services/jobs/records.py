@@ -118,6 +118,25 @@ def _float(v: str | None) -> float | None:
     return f if f is None or math.isfinite(f) else None  # JSON has no NaN: a page of it was a 500
 
 
+def stored_int(v: str | None) -> int:
+    """A whole number the store holds, 0 if it holds anything else (a record edited by hand,
+    another version's): one such field made every page showing the job a 500."""
+    try:
+        return int(v or 0)
+    except ValueError:
+        return 0
+
+
+def stored_object(v: str | None) -> dict[str, Any]:
+    """A JSON object the store holds, {} if it holds anything else."""
+    value = _json(v)
+    return value if isinstance(value, dict) else {}
+
+
+def _text(v: str | None) -> str | None:
+    return v if v is None else _json_safe(v)
+
+
 def _json(v: str | None) -> Any:
     if not v:
         return None
@@ -153,16 +172,16 @@ def public_view(fields: dict[str, str]) -> dict[str, Any]:
     state = fields.get("state", QUEUED)
     progress = 1.0 if state in TERMINAL else (_float(fields.get("progress")) or 0.0)
     return {
-        "id": fields.get("id"),
-        "state": state,
-        "service": fields.get("service"),
-        "route": fields.get("route"),
-        "model": fields.get("model"),
-        "priority": fields.get("priority") or NORMAL,
-        "attempts": int(fields.get("attempts") or 0),
-        "runs": int(fields.get("runs") or 0),
+        "id": _text(fields.get("id")),
+        "state": _text(state),
+        "service": _text(fields.get("service")),
+        "route": _text(fields.get("route")),
+        "model": _text(fields.get("model")),
+        "priority": _text(fields.get("priority")) or NORMAL,
+        "attempts": stored_int(fields.get("attempts")),
+        "runs": stored_int(fields.get("runs")),
         "progress": progress,
-        "node": fields.get("node") or None,
+        "node": _text(fields.get("node")) or None,
         "error": _json(fields.get("error")) if state != SUCCEEDED else None,
         "last_error": _json(fields.get("last_error")) if state not in TERMINAL else None,
         "dead_lettered": fields.get("dead") == "1",

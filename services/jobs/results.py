@@ -21,6 +21,8 @@ from typing import Any
 import pybase64
 from starlette.responses import Response
 
+from services.jobs.records import stored_object
+
 log = logging.getLogger("onecard.jobs")
 PIECE = 3 * 64 * 1024  # bytes of result per read (a multiple of 3 for base64): what a stalled poll holds
 
@@ -44,7 +46,7 @@ def inline_parts(view: dict[str, Any], fields: dict[str, str], size: int | None)
     ctype = fields.get("result_type", "")
     key = "image" if ctype.startswith("image/") else "data"
     inner = {"content_type": ctype, key: ""}
-    seed = json.loads(fields.get("result_headers") or "{}").get("x-seed")
+    seed = stored_object(fields.get("result_headers")).get("x-seed")
     if seed:
         inner["seed"] = seed
     text = json.dumps(inner).encode()

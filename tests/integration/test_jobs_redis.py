@@ -185,6 +185,25 @@ def test_poison_entries_never_break_a_consumer(pair, rds):
         time.sleep(0.05)
 
 
+def test_a_job_record_edited_by_hand_is_still_shown_and_its_result_refused_in_words(pair, rds):
+    """Fields the store holds that no version of onecard writes (an operator's edit, another
+    version's): every page that showed such a job was a 500."""
+    a, _ = pair
+    jobs = [a.submit("scripted", WORK, model=SHARED, body={"tag": f"edited-{n}"}) for n in range(2)]
+    for job in jobs:
+        assert a.wait(job["id"])["state"] == "succeeded"
+    rds.hset(f"pair:job:{jobs[0]['id']}", mapping={"attempts": "1.0", "runs": "many", "result_headers": "[1]",
+                                                    "progress": "NaN", "node": "n\u00e9"})
+    rds.hset(f"pair:job:{jobs[1]['id']}", mapping={"state": "failed", "error": '["boom"]', "result_status": "x"})
+    shown = a.api.get(f"/v1/jobs/{jobs[0]['id']}")
+    assert shown.status_code == 200 and shown.json()["attempts"] == 0, shown.text
+    assert a.api.get(f"/v1/jobs/{jobs[0]['id']}/result").status_code == 200
+    failed = a.api.get(f"/v1/jobs/{jobs[1]['id']}/result")
+    assert failed.status_code == 409 and failed.json()["error"]["code"] == "job_failed", failed.text
+    listed = a.api.get("/v1/jobs", params={"model": SHARED, "limit": 50})
+    assert listed.status_code == 200, listed.text
+
+
 def test_results_expire_after_their_ttl(server, rds, tmp_path):
     u = Unit(tmp_path, "ttl", {"scripted": (TARGET_APP, {"model": "m1"})},
              queue={"url": server.url, "prefix": "ttl", "results_ttl_s": 1.0})

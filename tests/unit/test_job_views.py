@@ -135,6 +135,8 @@ def test_listings_are_read_and_encoded_a_few_at_a_time_first_come_first_served()
     {"state": "running", "progress": "nan", "last_error": '[Infinity, {"m": "\\udbff"}]'},
     {"state": "succeeded", "created_at": "inf", "finished_at": "-inf", "started_at": "nan"},
     {"state": "failed", "error": "[" * 100_000 + "]" * 100_000},  # deeper than json.loads goes
+    {"state": "failed", "attempts": "1.0", "runs": "many"},  # a record edited by hand, another version's
+    {"state": "succeeded", "model": "detect/haar/\ud800", "node": "n\udcff", "route": "/\udfff"},
 ])
 def test_a_stored_job_json_cannot_carry_as_such_is_still_shown(extra):
     """NaN, infinities and lone surrogates read from a stored field made every page showing
