@@ -20,6 +20,7 @@ from services.jobs.records import (
     SUCCEEDED,
     TERMINAL,
     NewJob,
+    header_value,
     new_id,
     public_view,
     request_digest,
@@ -221,6 +222,7 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
         except QueueUnavailable as exc:
             raise unavailable(svc, exc) from None
         status = stored_int(fields.get("result_status"))
+        status = status if 200 <= status <= 599 else 0  # a stored 700 ended the answer without a byte
         if size is None or first is None or (state == FAILED and status < 400):
             err = public_view(fields)["error"]
             err = err if isinstance(err, dict) else {}
@@ -229,8 +231,9 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
         headers = stored_object(fields.get("result_headers"))
         release = stream_slot()
         return StreamedBody(b"", b"", size, first, read, False,
-                            fields.get("result_type") or "application/octet-stream", svc.cpu,
-                            settings.result_send_timeout_s, {k: v for k, v in headers.items() if k == "x-seed"},
+                            header_value(fields.get("result_type")) or "application/octet-stream", svc.cpu,
+                            settings.result_send_timeout_s,
+                            {k: header_value(v) for k, v in headers.items() if k == "x-seed" and header_value(v)},
                             status or 200, on_close=release)
 
     @app.delete("/v1/jobs/{job_id}", summary="Cancel a job")

@@ -133,6 +133,17 @@ def stored_object(v: str | None) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def header_value(v: Any) -> str | None:
+    """A stored text fit for an HTTP header (latin-1, no line break), else None."""
+    if not isinstance(v, str) or "\r" in v or "\n" in v:
+        return None
+    try:
+        v.encode("latin-1")
+    except UnicodeEncodeError:
+        return None
+    return v
+
+
 def _text(v: str | None) -> str | None:
     return v if v is None else _json_safe(v)
 

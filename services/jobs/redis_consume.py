@@ -29,7 +29,9 @@ log = logging.getLogger("onecard.jobs")
 
 
 def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+    # bytes that are no UTF-8 (a record edited by hand) read as U+FFFD: they made the job a 500
+    # and hid its model's whole listing behind "not a cursor this API gave"
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
 
 
 def deadline(method):

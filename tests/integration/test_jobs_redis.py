@@ -189,7 +189,7 @@ def test_a_job_record_edited_by_hand_is_still_shown_and_its_result_refused_in_wo
     """Fields the store holds that no version of onecard writes (an operator's edit, another
     version's): every page that showed such a job was a 500."""
     a, _ = pair
-    jobs = [a.submit("scripted", WORK, model=SHARED, body={"tag": f"edited-{n}"}) for n in range(2)]
+    jobs = [a.submit("scripted", WORK, model=SHARED, body={"tag": f"edited-{n}"}) for n in range(3)]
     for job in jobs:
         assert a.wait(job["id"])["state"] == "succeeded"
     rds.hset(f"pair:job:{jobs[0]['id']}", mapping={"attempts": "1.0", "runs": "many", "result_headers": "[1]",
@@ -200,6 +200,13 @@ def test_a_job_record_edited_by_hand_is_still_shown_and_its_result_refused_in_wo
     assert a.api.get(f"/v1/jobs/{jobs[0]['id']}/result").status_code == 200
     failed = a.api.get(f"/v1/jobs/{jobs[1]['id']}/result")
     assert failed.status_code == 409 and failed.json()["error"]["code"] == "job_failed", failed.text
+    rds.hset(f"pair:job:{jobs[2]['id']}", mapping={"node": b"n\xe9 no UTF-8", "result_status": "700",
+                                                    "result_type": "image/png\r\nX-Injected: 1",
+                                                    "result_headers": '{"x-seed": "\u0100"}'})
+    third = a.api.get(f"/v1/jobs/{jobs[2]['id']}")
+    assert third.status_code == 200 and third.json()["node"] == "n\ufffd no UTF-8", third.text
+    result = a.api.get(f"/v1/jobs/{jobs[2]['id']}/result")
+    assert result.status_code == 200 and "x-injected" not in result.headers and "x-seed" not in result.headers
     listed = a.api.get("/v1/jobs", params={"model": SHARED, "limit": 50})
     assert listed.status_code == 200, listed.text
 
