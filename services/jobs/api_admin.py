@@ -41,7 +41,7 @@ def _limit(value: Any, most: int, default: int) -> int:
     if value is None:
         return default
     if isinstance(value, str):
-        if not value.isascii() or not value.isdigit() or len(value) > 9:  # int() of 4 301 digits raises
+        if not value.isascii() or not value.isdigit() or len(value.lstrip("0")) > 9:  # int() of 4 301 digits raises
             raise ApiError(422, "invalid_parameter", f"limit: expected a whole number from 1 to {most}")
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:

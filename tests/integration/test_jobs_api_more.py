@@ -86,6 +86,7 @@ def test_the_listing_is_paginated_and_bounded(unit):
             break
     assert seen[-7:] == ids  # oldest first, the jobs of earlier tests before them
     assert len(listing(unit, "succeeded")["jobs"]) == 5  # the default page is capped by max_list_limit
+    assert len(listing(unit, "succeeded", limit="0" * 20 + "3")["jobs"]) == 3  # leading zeros are no digits too many
     for params, fragment in (({"model": MODEL, "state": "succeeded", "limit": 6}, "limit"),
                              ({"model": MODEL, "state": "succeeded", "limit": 0}, "limit"),
                              ({"model": MODEL, "state": "succeeded", "limit": "\u0663"}, "limit"),
