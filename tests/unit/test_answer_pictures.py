@@ -126,6 +126,7 @@ def test_a_misused_encode_is_told_what_is_wrong(picture, fmt, quality, says):
 @pytest.mark.parametrize(("fmt", "given", "taken"), [
     ("jpeg", np.int64(50), 50), ("jpeg", 0, None), ("jpeg", 2.6, 3), ("jpeg", 250, 100), ("jpeg", -4, 1),
     ("webp", 0, None), ("webp", 101, 100), ("webp", 90.0, 90), ("png", "ignored", None), ("png", 500, None),
+    ("jpeg", 0.4, 1), ("jpeg", 10**400, 100), ("webp", -(10**400), 1),
 ])
 def test_a_quality_is_taken_as_it_always_was(fmt, given, taken):
     """API 1.x: rounded, 0 for the default, clamped to 1..100, none for PNG."""

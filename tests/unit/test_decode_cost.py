@@ -318,6 +318,8 @@ def test_a_json_answers_non_finite_numbers_are_null():
     text = json_bytes(doc).decode()
     assert "NaN" not in text and "Infinity" not in text
     assert json.loads(text) == {"score": None, "box": [None, None, 1.5], "image": blob}
+    keys = json_bytes({float("nan"): 1, float("inf"): 2, -float("inf"): 3, "image": blob})  # as json.dumps made them
+    assert json.loads(keys) == {"NaN": 1, "Infinity": 2, "-Infinity": 3, "image": blob}
 
 
 def test_an_answers_big_strings_are_freed_by_their_counts_not_left_to_the_collector():

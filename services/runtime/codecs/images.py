@@ -292,8 +292,8 @@ def _check_encode_arguments(rgb: object, fmt: object, quality: object) -> None:
     an AttributeError, a quality of 0 taken for the default)."""
     if fmt not in OUTPUT_FORMATS:
         raise ValueError(f"cannot encode as {fmt!r}: the formats are {', '.join(sorted(OUTPUT_FORMATS))}")
-    if quality is not None and fmt != "png" and (not isinstance(quality, numbers.Real)
-                                                 or not math.isfinite(quality)):
+    if quality is not None and fmt != "png" and (not isinstance(quality, numbers.Real) or (
+            not isinstance(quality, numbers.Integral) and not math.isfinite(quality))):
         raise ValueError(f"quality is a number (1 to 100), not {quality!r}")
     if isinstance(rgb, Image.Image):
         width, height = rgb.size
@@ -311,7 +311,7 @@ def _quality(quality: float | None, fmt: str) -> int | None:
     1..100; PNG has none."""
     if quality is None or fmt == "png":
         return None
-    return min(100, max(1, round(quality))) if round(quality) else None
+    return None if quality == 0 else min(100, max(1, round(quality)))
 
 
 def encode_image(rgb: np.ndarray | Image.Image, fmt: str, quality: int | None = None,

@@ -51,10 +51,17 @@ def _swap(node: Any, big: list[str], mark: str) -> Any:
         return None  # JSON has no NaN (json.dumps writes it, strict parsers refuse it): as JSON.stringify
 
     if isinstance(node, dict):
-        return {k: _swap(v, big, mark) for k, v in node.items()}
+        return {_key(k): _swap(v, big, mark) for k, v in node.items()}
     if isinstance(node, (list, tuple)):
         return [_swap(v, big, mark) for v in node]
     return node
+
+
+def _key(key: Any) -> Any:
+    """A non-finite number as a key is the text json.dumps always made of it ("NaN")."""
+    if isinstance(key, float) and not math.isfinite(key):
+        return "NaN" if key != key else ("Infinity" if key > 0 else "-Infinity")
+    return key
 
 
 # what json.dumps writes as it is (ensure_ascii): printable ASCII but the quote and backslash
