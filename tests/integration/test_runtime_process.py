@@ -32,9 +32,12 @@ def _start_unwaited(svc: ServiceProcess) -> None:
 def test_stuck_model_call_fails_healthz(tmp_path):
     with ServiceProcess(APP, {"max_batch_size": 1, "inference_timeout_s": 0.5}, tmp_path) as svc:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(post, svc, "?id=h&mode=hang&sleep=2.5")
-            time.sleep(1.2)
-            r = httpx.get(svc.url + "/healthz")
+            fut = pool.submit(post, svc, "?id=h&mode=hang&sleep=4")
+            # stuck once the call has run past inference_timeout_s: asked until then (a loaded
+            # machine may take a while to bring the request to the model)
+            deadline = time.monotonic() + 3.5
+            while (r := httpx.get(svc.url + "/healthz")).status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.1)
             assert r.status_code == 503 and r.json()["status"] == "stuck"
             assert probe(svc.probe_socket, "/healthz")[0] == 503
             fut.result()
