@@ -228,12 +228,11 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
             err = err if isinstance(err, dict) else {}
             raise ApiError(409 if state == FAILED else 410, "job_failed" if state == FAILED else "result_expired",
                            f"job {job_id}: {err.get('message', 'no result')}")
-        headers = stored_object(fields.get("result_headers"))
+        seed = header_value(stored_object(fields.get("result_headers")).get("x-seed"))
         release = stream_slot()
         return StreamedBody(b"", b"", size, first, read, False,
                             header_value(fields.get("result_type")) or "application/octet-stream", svc.cpu,
-                            settings.result_send_timeout_s,
-                            {k: header_value(v) for k, v in headers.items() if k == "x-seed" and header_value(v)},
+                            settings.result_send_timeout_s, {"x-seed": seed} if seed else {},
                             status or 200, on_close=release)
 
     @app.delete("/v1/jobs/{job_id}", summary="Cancel a job")

@@ -49,7 +49,6 @@ def _swap(node: Any, big: list[str], mark: str) -> Any:
         return f"{mark}{len(big) - 1}"
     if isinstance(node, float) and not math.isfinite(node):
         return None  # JSON has no NaN (json.dumps writes it, strict parsers refuse it): as JSON.stringify
-
     if isinstance(node, dict):
         return {_key(k): _swap(v, big, mark) for k, v in node.items()}
     if isinstance(node, (list, tuple)):

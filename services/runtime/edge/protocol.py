@@ -170,7 +170,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             request pipelined behind it, the one being answered never saw http.disconnect (its
             GPU work was not cancelled; its answer went on being written to a reset socket,
             each write a warning in the log)."""
-            for cycle, _ in [(self._active, None), *self.pipeline]:
+            for cycle in (self._active, *(c for c, _ in self.pipeline)):
                 if cycle is not None and cycle is not self.cycle and not cycle.response_complete:
                     cycle.disconnected = True
                     cycle.message_event.set()
