@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.harness import ROOT
 from tests.images import astronaut, coffee, encode, group_photo_jpeg
 from tests.models import scrfd_shaped_onnx
 from tests.service_harness import ServiceProcess
@@ -119,7 +120,7 @@ def test_a_missing_haar_cascade_is_a_start_failure_that_names_it(tmp_path):
     import sys
     svc = ServiceProcess(APP, {"backend": "haar", "haar_cascade": str(tmp_path / "nope.xml")}, tmp_path)
     svc._log = open(svc.log_path, "wb")
-    svc.proc = subprocess.Popen([sys.executable, "-m", "services.runtime.serve"], cwd=svc.env["PYTHONPATH"],
+    svc.proc = subprocess.Popen([sys.executable, "-m", "services.runtime.serve"], cwd=ROOT,
                                 env=svc.env, stdout=svc._log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         assert svc.proc.wait(timeout=60) == 78
