@@ -38,6 +38,7 @@ from services.runtime.errors import ApiError
 
 IDEMPOTENCY_KEY_RE = re.compile(r"[\x21-\x7e]{1,255}")  # fullmatch: no trailing newline
 SECONDS_RE = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")   # ASCII digits only: float() takes any script's
+NO_BODY_STATUSES = (204, 205, 304)  # answers that carry no body (RFC 9110)
 
 SUBMIT_BODY = {"required": True, "content": {"application/json": {"schema": {
     "type": "object", "required": ["service", "route"], "additionalProperties": False, "properties": {
@@ -222,7 +223,9 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
         except QueueUnavailable as exc:
             raise unavailable(svc, exc) from None
         status = stored_int(fields.get("result_status"))
-        status = status if 200 <= status <= 599 else 0  # a stored 700 ended the answer without a byte
+        # a stored 700 ended the answer without a byte; a 204, 205 or 304 carries no body, and the
+        # stored bytes after it would be read as the start of the client's next answer
+        status = status if 200 <= status <= 599 and status not in NO_BODY_STATUSES else 0
         if size is None or first is None or (state == FAILED and status < 400):
             err = public_view(fields)["error"]
             err = err if isinstance(err, dict) else {}

@@ -41,9 +41,9 @@ def _limit(value: Any, most: int, default: int) -> int:
     if value is None:
         return default
     if isinstance(value, str):
-        if not value.isascii() or not value.isdigit() or len(value.lstrip("0")) > 9:  # int() of 4 301 digits raises
+        if not value.isascii() or not value.isdigit() or len(value.lstrip("0")) > 9:
             raise ApiError(422, "invalid_parameter", f"limit: expected a whole number from 1 to {most}")
-        value = int(value)
+        value = int(value.lstrip("0") or "0")  # int() of 4 301 digits raises, zeros or not
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
         raise ApiError(422, "invalid_parameter", f"limit: expected a whole number from 1 to {most}")
     return value

@@ -133,9 +133,14 @@ def stored_object(v: str | None) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+# what uvicorn refuses in a header value once the answer has started (it then closes the
+# connection without a byte): control characters other than a tab
+HEADER_VALUE_BAD = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
 def header_value(v: Any) -> str | None:
-    """A stored text fit for an HTTP header (latin-1, no line break), else None."""
-    if not isinstance(v, str) or "\r" in v or "\n" in v:
+    """A stored text fit for an HTTP header (latin-1, no control character but a tab), else None."""
+    if not isinstance(v, str) or HEADER_VALUE_BAD.search(v):
         return None
     try:
         v.encode("latin-1")

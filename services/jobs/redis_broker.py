@@ -39,7 +39,7 @@ from services.jobs.broker import (
     QueueUnavailable,
 )
 from services.jobs.policy import RetryPolicy
-from services.jobs.records import LEVELS, NORMAL, NewJob, Submitted
+from services.jobs.records import LEVELS, NORMAL, NewJob, Submitted, valid_id
 from services.jobs.redis_consume import RedisConsuming, _s, deadline
 from services.jobs.redis_errors import is_full, is_outage, refusal_reason
 from services.jobs.settings import QueueSettings, redact
@@ -47,6 +47,16 @@ from services.jobs.settings import QueueSettings, redact
 log = logging.getLogger("onecard.jobs")
 MAX_BLOCK_S = 5.0
 CURSOR_RE = re.compile(r"(-?[0-9]+):([0-9a-f]{32})")
+SCORE_BOUND = 10**18  # index scores are microseconds; a hand-made inf or 1e300 is clamped
+
+
+def _cursor(last: tuple[bytes, float]) -> str:
+    """The next page's cursor after `last` (member, score): always one the API takes back. A
+    member that is no job id (written by hand) leaves only its score to go on from."""
+    member, score = last
+    score = max(-SCORE_BOUND, min(SCORE_BOUND, score)) if score == score else 0
+    job_id = _s(member)
+    return f"{int(score)}:{job_id if valid_id(job_id) else '0' * 32}"
 
 
 class RedisBroker(RedisConsuming, Broker):
@@ -288,7 +298,8 @@ class RedisBroker(RedisConsuming, Broker):
     @deadline
     async def get(self, job_id: str) -> dict[str, str] | None:
         raw = await self.r.hgetall(self.job_key(job_id))
-        return {_s(k): _s(v) for k, v in raw.items()} or None
+        # the record is the job its key names, whatever its own id field says (or lacks)
+        return {**{_s(k): _s(v) for k, v in raw.items()}, "id": job_id} if raw else None
 
     @deadline
     async def result(self, job_id: str) -> bytes | None:
@@ -339,13 +350,15 @@ class RedisBroker(RedisConsuming, Broker):
             records = await pipe.execute() if page else []
         jobs, gone = [], []
         for (member, _), raw in zip(page, records, strict=False):
-            if raw:
-                jobs.append({_s(k): _s(v) for k, v in raw.items()})
+            job_id = _s(member)
+            if raw and valid_id(job_id):
+                # the record is the job its index entry names (redrive takes the id from here)
+                jobs.append({**{_s(k): _s(v) for k, v in raw.items()}, "id": job_id})
             else:
                 gone.append(member)
-        if gone:  # expired records: their index entries go too
+        if gone:  # expired records, and entries that name no job the API could give: they go
             await self.r.zrem(key, *gone)
-        nxt = f"{int(page[-1][1])}:{_s(page[-1][0])}" if more and page else None
+        nxt = _cursor(page[-1]) if more and page else None
         return jobs, nxt
 
     @deadline

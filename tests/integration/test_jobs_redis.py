@@ -207,8 +207,49 @@ def test_a_job_record_edited_by_hand_is_still_shown_and_its_result_refused_in_wo
     assert third.status_code == 200 and third.json()["node"] == "n\ufffd no UTF-8", third.text
     result = a.api.get(f"/v1/jobs/{jobs[2]['id']}/result")
     assert result.status_code == 200 and "x-injected" not in result.headers and "x-seed" not in result.headers
+    # control characters uvicorn refuses once the answer has started (it closed without a byte),
+    # and a status that carries no body (its body would be read as the next answer)
+    rds.hset(f"pair:job:{jobs[0]['id']}", mapping={"result_type": "image/png\x0b", "result_status": "204",
+                                                    "result_headers": '{"x-seed": "1\\u00002"}'})
+    result = a.api.get(f"/v1/jobs/{jobs[0]['id']}/result")
+    assert result.status_code == 200 and result.headers["content-type"] == "application/octet-stream", result
+    assert "x-seed" not in result.headers and len(result.content) == int(result.headers["content-length"]) > 0
     listed = a.api.get("/v1/jobs", params={"model": SHARED, "limit": 50})
     assert listed.status_code == 200, listed.text
+
+
+def test_a_listing_index_edited_by_hand_still_pages_through_every_job(pair, rds):
+    """Index entries no version of onecard writes: an infinite or huge score was a 500 or a
+    next_cursor the API refused (hiding every job after it), a member that is no job id the
+    same; a dead-lettered record without its id field made redrive by model a 500."""
+    a, _ = pair
+    model = "scripted/scripted/edited"
+    ids = [f"{n:032x}" for n in range(1, 13)]
+    for n, job_id in enumerate(ids):
+        rds.hset(f"pair:job:{job_id}", mapping={"state": "succeeded", "model": model, "service": "scripted"})
+        rds.zadd(f"pair:idx:succeeded:{model}", {job_id: 1_700_000_000_000_000 + n})
+    rds.zadd(f"pair:idx:succeeded:{model}", {ids[4]: float("inf"), ids[5]: float("inf"), ids[9]: 1e300,
+                                              "not-a-job": 5, b"\xff": 6})
+    rds.hset("pair:job:not-a-job", mapping={"state": "succeeded", "model": model})
+    for limit in (5, 1):  # one a page: every entry ends one, with more after it
+        got, cursor = [], None
+        for _ in range(20):
+            page = a.api.get("/v1/jobs", params={"model": model, "limit": limit, "state": "succeeded",
+                                                **({"cursor": cursor} if cursor else {})})
+            assert page.status_code == 200, page.text
+            got += [job["id"] for job in page.json()["jobs"]]
+            if (cursor := page.json()["next_cursor"]) is None:
+                break
+        assert sorted(got) == ids, (limit, got)
+    dead = "e" * 32
+    rds.hset(f"pair:job:{dead}", mapping={"state": "failed", "dead": "1", "model": model})  # no id field, no body
+    rds.zadd(f"pair:idx:dead:{model}", {dead: 1_700_000_000_000_000})
+    redriven = a.api.post("/v1/jobs/redrive", json={"model": model})
+    assert redriven.status_code == 200, redriven.text
+    assert redriven.json()["skipped"] == [{"id": dead, "reason": "no_body"}], redriven.text
+    listed = a.api.get("/v1/jobs", params={"model": model, "state": "dead"})
+    assert [job["id"] for job in listed.json()["jobs"]] == [dead], listed.text
+    assert a.api.get("/v1/jobs", params={"model": model, "limit": "0" * 4300 + "3"}).status_code == 200
 
 
 def test_results_expire_after_their_ttl(server, rds, tmp_path):
