@@ -109,6 +109,21 @@ class TargetTimeout(Exception):
     """The local service did not answer in time."""
 
 
+def why(exc: aiohttp.ClientError) -> str:
+    """What went wrong with a call to the service, fit for a job's public error and the log:
+    the kind of failure and its reason, never the request. aiohttp's own text of a
+    ClientResponseError carries the request's headers (the service's API key among them)
+    and its internal address; a job's error is readable by anyone who can read the job."""
+    kind = type(exc).__name__
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"{kind}: {exc.os_error.strerror or type(exc.os_error).__name__}"
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return f"{kind}: {exc.status} {str(exc.message)[:200]}"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return f"{kind}: the service closed the connection without an answer"
+    return kind
+
+
 class ResultTooLarge(Exception):
     """The local service's answer is over max_result_bytes."""
 
@@ -219,13 +234,13 @@ class Target:
         except TimeoutError as exc:
             raise TargetTimeout(f"{self.name}: no answer in time") from exc
         except aiohttp.ClientConnectorError as exc:
-            raise TargetNotSent(f"{self.name}: {exc!r}") from exc
+            raise TargetNotSent(f"{self.name}: {why(exc)}") from exc
         except RuntimeError as exc:  # "Session is closed": reset by a crash before this request left
             if not session.closed:
                 raise
             raise TargetNotSent(f"{self.name}: its connections were reset") from exc
         except aiohttp.ClientError as exc:
-            raise TargetCrashed(f"{self.name}: {exc!r}") from exc
+            raise TargetCrashed(f"{self.name}: {why(exc)}") from exc
 
     async def discover(self) -> None:
         """Wait until the service is ready, then learn its label, routes and limits."""

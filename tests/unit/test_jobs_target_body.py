@@ -57,3 +57,34 @@ def test_a_job_body_arrives_whole_with_its_length_and_big_ones_go_as_views(monke
     assert "content-type: application/json" in got["head"] and "x-onecard-job: " + "0" * 32 in got["head"]
     streamed = not isinstance(handed[0], bytes)
     assert streamed == (size >= targets.STREAMED_BODY_BYTES)
+
+
+@pytest.mark.parametrize("answer", [b"NOT HTTP AT ALL\r\n\r\n", b"HTTP/1.1 2OO OK\r\nContent-Length: 2\r\n\r\n{}",
+                                    b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{}"])
+def test_a_broken_answer_is_told_without_the_services_api_key_or_address(monkeypatch, answer):
+    """The error a failed call raises becomes the job's public error: aiohttp's own text of a
+    bad answer carried the request's headers (the service's API key) and its address."""
+    monkeypatch.setenv("ONECARD_TEST_TARGET_KEY", "s3cr3t-target-key-123")
+
+    async def main():
+        async def handle(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(answer)
+            await writer.drain()
+            writer.close()
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        target = Target("svc", f"http://127.0.0.1:{port}", TargetSettings(api_key_env="ONECARD_TEST_TARGET_KEY"),
+                        run_timeout_s=10, dry_run_timeout_s=5)
+        try:
+            with pytest.raises(targets.TargetUnreachable) as caught:
+                await target.call("/api/v1/x", b"{}", "0" * 32)
+        finally:
+            await target.close()
+            server.close()
+        return caught.value, port
+
+    exc, port = asyncio.run(main())
+    text = str(exc)
+    assert text.startswith("svc: ") and len(text) < 300, text
+    assert "s3cr3t" not in text and str(port) not in text and "x-api-key" not in text.lower(), text
