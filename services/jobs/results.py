@@ -21,6 +21,7 @@ from typing import Any
 import pybase64
 from starlette.responses import Response
 
+from services.jobs.broker import QueueUnavailable
 from services.jobs.records import stored_object
 
 log = logging.getLogger("onecard.jobs")
@@ -108,6 +109,8 @@ class StreamedBody(Response):
             await send({"type": "http.response.body", "body": b""})
         except (TimeoutError, ConnectionAbortedError) as exc:
             log.info("jobs: a result was cut off: %s", exc if str(exc) else "the client read nothing in time")
+        except QueueUnavailable as exc:  # a piece not read in time: the answer has begun, it can only end short
+            log.warning("jobs: a result was cut off: %s", exc)
         finally:
             gone.cancel()
             if self.on_close is not None:

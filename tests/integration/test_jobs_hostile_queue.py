@@ -6,6 +6,7 @@ redis-server; every process is stopped by the test that started it."""
 from __future__ import annotations
 
 import concurrent.futures
+import socket
 import time
 
 import httpx
@@ -64,6 +65,49 @@ def test_the_embedded_queue_evicts_its_oldest_finished_jobs(tmp_path):
 def redis_connections(pid: int, port: int) -> int:
     return sum(1 for c in psutil.Process(pid).net_connections(kind="tcp")
                if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+
+
+def test_redis_that_hangs_while_a_result_is_sent_ends_the_answer_short_without_a_traceback(tmp_path):
+    """A result of several pieces is read from Redis as it is sent. Redis stopping mid-way
+    (or any piece slower than op_timeout_s) cannot become a 503: the answer has begun. It
+    ends short of its Content-Length, which the client sees; the log says so in a line (it
+    was an ASGI traceback), and the service goes on."""
+    srv = RedisServer(tmp_path)
+    u = Unit(tmp_path, "stall", {"scripted": (TARGET_APP, {"model": "m1"})},
+             queue={"url": srv.url, "prefix": "stall", "op_timeout_s": 1.0}, max_result_bytes=8_000_000)
+    try:
+        srv.start()
+        start_units(u)
+        job_id = u.submit("scripted", WORK, params={"tag": "big", "binary": 6_000_000})["id"]
+        assert u.wait(job_id, timeout=60)["state"] == "succeeded"
+        for path in (f"/v1/jobs/{job_id}/result", f"/v1/jobs/{job_id}"):  # as is, and inline in base64
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", u.jobs.port))
+            try:
+                s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+                time.sleep(1.0)  # the service is blocked on a full socket, mid-way through the result
+                srv.pause()
+                got, s_timeout = b"", time.monotonic() + 30
+                s.settimeout(30)
+                while chunk := s.recv(1 << 20):
+                    got += chunk
+                    assert time.monotonic() < s_timeout
+            finally:
+                srv.resume()
+                s.close()
+            head, _, body = got.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200"), head[:200]
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:")))
+            assert 0 < len(body) < length, (path, len(body), length)
+        assert u.api.get("/healthz").status_code == 200
+        assert u.api.get(f"/v1/jobs/{job_id}/result").content.__len__() == 6_000_000
+        out = u.jobs.output()
+        assert "Traceback" not in out and out.count("a result was cut off") >= 2, out[-3000:]
+    finally:
+        srv.resume()
+        u.stop()
 
 
 def test_redis_that_hangs_gives_503_quickly_and_a_bounded_pool(tmp_path):
