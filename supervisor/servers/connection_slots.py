@@ -14,7 +14,9 @@ A connection accepted under ``FRESH_S`` ago never makes room: on a loaded machin
 client may be descheduled between its connect and its send, and reconnecting holders turned
 the slots over so fast that it was closed, silent, before its request came (a probe failure).
 A newcomer that finds no room waits up to ``LATE_S`` for its whole request (at most
-``LATE_PER_SLOT`` per slot at once, holding no slot): one that comes is answered in a slot
+``LATE_PER_SLOT`` per slot at once, holding no slot; past that, the one waiting longest is
+closed and the newcomer waits in its stead: refused at once, a probe whose bytes came a moment
+after its connect failed among 4 silent clients per slot a second): one that comes is answered in a slot
 that came free or beyond the limit (at most ``OVERFLOW`` of them, waiting for one of those
 to leave if need be, within the same ``LATE_S``), the others are closed. Holders that reconnect the
 moment they are closed are paced by that wait, instead of turning the slots over at the
@@ -64,7 +66,7 @@ class Slots:
         self._partial: dict[Any, float] = {}  # some bytes, no complete request yet
         self._busy: set[Any] = set()          # request complete: being answered
         self._overflow: set[Any] = set()      # taken beyond the limit with a whole request
-        self._late = 0                        # newcomers waiting for their request (admit_late)
+        self._late: dict[asyncio.Future, None] = {}  # newcomers waiting for their request (admit_late), oldest first
         self._left: asyncio.Future | None = None  # done when a connection leaves (admit_late)
         self.closed_early = 0                 # closed to make room, and newcomers refused
 
@@ -110,23 +112,35 @@ class Slots:
         and the request is returned if it came within LATE_S and room came for it by then (a
         slot, or a place beyond the limit: those answers are quick); else None (counted as
         closed early). The waits are on the connection's own data and on a connection
-        leaving, no polling. At most LATE_PER_SLOT x `limit` wait at once: past that,
-        newcomers are refused at once. The wait also paces clients that reconnect the moment
-        they are closed."""
-        if self._late < LATE_PER_SLOT * self.limit:
-            self._late += 1
-            deadline = asyncio.get_running_loop().time() + LATE_S
-            try:
-                request = await asyncio.wait_for(read_request(), LATE_S)
+        leaving, no polling. At most LATE_PER_SLOT x `limit` wait at once: past that, the
+        one waiting longest (it had the most time to send) is closed, and this one waits.
+        The wait also paces clients that reconnect the moment they are closed."""
+        loop = asyncio.get_running_loop()
+        if len(self._late) >= LATE_PER_SLOT * self.limit:
+            oldest = next(iter(self._late))
+            del self._late[oldest]
+            oldest.set_result(None)  # its wait ends here: closed early
+        given_up = loop.create_future()
+        self._late[given_up] = None
+        deadline = loop.time() + LATE_S
+        reading = asyncio.ensure_future(read_request())
+        try:
+            await asyncio.wait((reading, given_up), timeout=LATE_S, return_when=asyncio.FIRST_COMPLETED)
+            if reading.done() and not given_up.done():
+                request = reading.result()
                 if await self._room_by(deadline):
                     if len(self) >= self.limit:
                         self._overflow.add(writer)
                     self._busy.add(writer)
                     return request
-            except (TimeoutError, OSError, asyncio.IncompleteReadError, HeadTooLarge, HeadTimeout):
-                pass
-            finally:
-                self._late -= 1
+        except (TimeoutError, OSError, asyncio.IncompleteReadError, HeadTooLarge, HeadTimeout):
+            pass
+        finally:
+            self._late.pop(given_up, None)
+            if not reading.done():
+                reading.cancel()
+            elif not reading.cancelled():
+                reading.exception()  # looked at: a read that failed is a newcomer closed, no log line
         self.closed_early += 1
         return None
 

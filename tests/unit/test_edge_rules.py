@@ -167,6 +167,46 @@ def test_a_newcomer_refused_for_room_is_taken_when_its_request_comes_late():
     assert asyncio.run(scenario()) == (request, None, 1)
 
 
+def test_past_the_bound_of_late_newcomers_the_one_waiting_longest_is_closed_not_the_newest():
+    """Silent clients fill every slot and every late wait: a probe that connects, then sends
+    a moment later, still waits for its request (the silent one waiting longest is closed in
+    its stead) and is answered; refused at once, it was a probe failure."""
+    import asyncio
+
+    from supervisor.servers.connection_slots import LATE_PER_SLOT, LATE_S, Slots
+
+    request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    silent_n = LATE_PER_SLOT * 2
+
+    async def scenario() -> tuple[list, bytes | None, int]:
+        loop = asyncio.get_running_loop()
+        aborted: list = []
+        with socket_pairs(2 + silent_n + 1) as pairs:
+            slots = Slots(2, clock=lambda: 0.0)  # every slot fresh: none is closed to make room
+            writers = [SlotWriter(ours, aborted) for ours, _ in pairs]
+            assert slots.admit(writers[0]) and slots.admit(writers[1])
+            for ours, _ in pairs[2:]:
+                ours.setblocking(False)
+            waits = []
+            for i in range(2, 2 + silent_n):  # the late waits, all taken by silent clients
+                assert not slots.admit(writers[i])
+                waits.append(asyncio.ensure_future(
+                    slots.admit_late(writers[i], lambda i=i: loop.sock_recv(pairs[i][0], 4096))))
+                await asyncio.sleep(0.01)  # an order of arrival
+            probe = writers[-1]
+            assert not slots.admit(probe)
+            loop.call_later(LATE_S / 5, pairs[-1][1].sendall, request)
+            got = await slots.admit_late(probe, lambda: loop.sock_recv(pairs[-1][0], 4096))
+            first_done = [w.done() for w in waits]
+            await asyncio.gather(*waits)
+            return first_done, got, slots.closed_early
+
+    first_done, got, closed = asyncio.run(scenario())
+    assert got == request
+    assert first_done == [True] + [False] * (silent_n - 1), first_done  # the oldest went, at once
+    assert closed == silent_n  # every silent one, in the end
+
+
 def test_a_late_newcomer_whose_request_is_in_waits_for_room_until_its_deadline():
     """A burst of whole probes fills the places beyond the limit: one more, late, is taken
     when an answered one leaves (answers are quick), not refused at once."""
