@@ -174,9 +174,14 @@ def test_many_clients_leaving_while_queued_cost_no_model_time(tmp_path):
     with ServiceProcess(SCRIPTED, {"max_batch_size": 1, "max_queue": 100}, tmp_path) as svc:
         body = small_png()
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            blocker = pool.submit(httpx.post, svc.url + "/api/v1/echo?id=blocker&sleep=2", content=body,
+            # held longer than 20 connections take to queue on a loaded machine (a full run with
+            # other work on its 2 cores once took over 2 s: the model was free again, and ran them)
+            blocker = pool.submit(httpx.post, svc.url + "/api/v1/echo?id=blocker&sleep=6", content=body,
                                   headers={"content-type": "image/png"}, timeout=30)
-            time.sleep(0.3)
+            deadline = time.monotonic() + 10
+            while "blocker" not in httpx.get(svc.url + "/seen").json()["seen"]:
+                assert time.monotonic() < deadline, "the blocker never reached the model"
+                time.sleep(0.02)
             socks = []
             for i in range(20):
                 s = socket.create_connection(("127.0.0.1", svc.port))
