@@ -47,6 +47,7 @@ from services.runtime.edge.read_turns import ReadTurns, TurnedFlowControl, read_
 from services.runtime.edge.receive_deadlines import ReceiveDeadlines
 from services.runtime.edge.send_deadline import KernelQueueLinger, SendWatch, reset
 from services.runtime.edge.start_turns import PendingStart, StartTurns, is_probe
+from services.runtime.edge.upgrade_header import without_upgrade
 
 __all__ = ["ConnectionLimits", "ConnectionStats", "error_bytes", "guarded_protocol"]
 
@@ -267,11 +268,14 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._last_read_at = self.loop.time()
             phase_before, message_before, data_before = self._phase, self._message_no, self._body_data
             self._heads_in_read = 0
+            if self._phase != BODY:
+                data = without_upgrade(data)
             try:
                 self.parser.feed_data(data)
             except httptools.HttpParserUpgrade:
-                # the parser stops at an upgrade; the request itself is answered (ignoring the
-                # upgrade, as RFC 9110 lets a server do), then the connection is closed
+                # the parser stops at an upgrade (a CONNECT, or an Upgrade header split across
+                # two reads); the request itself is answered (ignoring the upgrade, as RFC 9110
+                # lets a server do), then the connection is closed
                 self._broken = True
                 if self.cycle is not None:
                     self.cycle.keep_alive = False
