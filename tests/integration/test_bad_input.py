@@ -99,6 +99,7 @@ CORPUS = [
     ("json NaN literal", jsbytes(b'{"image": NaN}'), 422, "invalid_parameter"),
     ("json Infinity literal", jsbytes(b'{"image": "x", "a": Infinity}'), 422, "invalid_parameter"),
     ("json 1e999", jsbytes(b'{"image": "x", "a": 1e999}'), 422, "invalid_parameter"),
+    ("json integer of 5000 digits", jsbytes(b'{"image": "x", "a": ' + b"9" * 5000 + b"}"), 422, "invalid_parameter"),
     ("json too many fields", js({f"f{i}": 1 for i in range(100)} | {"image": b64(PNG)}), 422, "invalid_parameter"),
     ("multipart without boundary", raw(b"--x\r\n", "multipart/form-data"), 400, "bad_multipart"),
     ("multipart broken", multipart(b"--b\r\nContent-Disposition: form-data; name=\"image\"\r\n\r\nabc"),
