@@ -14,7 +14,14 @@ import numpy as np
 
 from services.runtime.codecs.base64_text import decode_base64
 from services.runtime.codecs.forms import parse_json, parse_multipart, text_fields
-from services.runtime.codecs.images import DecodeLimits, ImageHeader, choose_format, decode_probed, probe_image
+from services.runtime.codecs.images import (
+    DecodeLimits,
+    ImageHeader,
+    choose_format,
+    decode_probed,
+    prefers_json,
+    probe_image,
+)
 from services.runtime.codecs.json_big_strings import is_ascii
 from services.runtime.codecs.params import Params, as_text, merge, validate
 from services.runtime.errors import ApiError
@@ -194,6 +201,11 @@ class Request:
         """The picture format to answer in: the one asked for, else the first image type the
         client's Accept names, else ``default``."""
         return choose_format(asked, self.headers.get("accept", ""), default)
+
+    def wants_json(self) -> bool:
+        """Whether the client's Accept wants application/json before any picture (q-values
+        and their order weighed)."""
+        return prefers_json(self.headers.get("accept", ""))
 
     # ---- the input forms ------------------------------------------------------------------------
     def _main_field(self) -> str:

@@ -89,7 +89,7 @@ class Img2ImgRoutes:
 
     @staticmethod
     def wants_json(p: Img2ImgParams, request: onecard.Request) -> bool:
-        return p.response_format == "json" or request.headers.get("accept", "").startswith("application/json")
+        return p.response_format == "json" or request.wants_json()
 
     def decode_native(self, request: onecard.Request) -> Img2ImgItem:
         """Parameters, the pictures' headers, sizes and the cost, then the pixels (decoded once)."""

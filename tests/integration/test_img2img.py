@@ -58,7 +58,9 @@ def test_output_formats_and_json_response(style):
     for fmt, mime in (("jpeg", "image/jpeg"), ("webp", "image/webp")):
         r = post(style, f"?format={fmt}")
         assert r.headers["content-type"] == mime and Image.open(io.BytesIO(r.content)).format == fmt.upper()
-    r = post(style, "?seed=7", headers={"accept": "application/json"})
+    refused = post(style, "?seed=7", headers={"accept": "application/json;q=0, image/webp"})  # JSON refused
+    assert refused.headers["content-type"] == "image/webp", refused.headers
+    r = post(style, "?seed=7", headers={"accept": "application/json, text/plain, */*"})  # axios's default
     doc = r.json()
     assert doc["seed"] == 7 and (doc["width"], doc["height"]) == (512, 512)
     assert Image.open(io.BytesIO(base64.b64decode(doc["image"]))).size == (512, 512)

@@ -128,6 +128,18 @@ def test_output_format_from_the_request_or_accept():
     assert choose_format("webp", "image/png") == "webp"
     assert choose_format(None, "text/html, image/jpeg;q=0.9") == "jpeg"
     assert choose_format(None, "*/*", default="png") == "png"
+    assert choose_format(None, "image/png;q=0.5, image/webp") == "webp"   # q before order
+    assert choose_format(None, "image/jpeg;q=0, image/png;q=0.1") == "png"  # q=0: refused
+
+
+def test_json_is_wanted_only_before_every_picture_type():
+    from services.runtime.codecs.images import prefers_json
+    for accept in ("application/json", "application/json, */*", "application/json, text/plain, */*",
+                   "image/png;q=0.5, application/json", "APPLICATION/JSON;q=0.9"):
+        assert prefers_json(accept), accept
+    for accept in ("", "*/*", "image/png, application/json", "application/json;q=0, image/png",
+                   "application/json-seq", "application/json;q=0.5, image/*", "application/json;q=0"):
+        assert not prefers_json(accept), accept
     data, mime = encode_image(np.zeros((8, 8, 3), np.uint8), "webp")
     assert mime == "image/webp" and Image.open(__import__("io").BytesIO(data)).format == "WEBP"
 

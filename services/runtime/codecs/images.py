@@ -268,15 +268,43 @@ def decode_image(data: bytes, limits: DecodeLimits, max_side: int | None = None)
     return decode_probed(data, probe_image(data, limits), max_side)
 
 
+def accepted(accept: str) -> list[str]:
+    """The media ranges an Accept header names, most wanted first: by q, then in the order
+    given; those of q=0 (refused) left out. A q that is no number counts as 1."""
+    ranges = []
+    for i, item in enumerate(accept.split(",")):
+        mime, *params = item.split(";")
+        q = 1.0
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = float(value.strip())
+                except ValueError:
+                    q = 1.0
+                q = min(1.0, q) if math.isfinite(q) else 1.0
+        if q > 0 and mime.strip():
+            ranges.append((-q, i, mime.strip().lower()))
+    return [mime for _, _, mime in sorted(ranges)]
+
+
 def choose_format(asked: str | None, accept: str, default: str = "png") -> str:
-    """The output format: the one asked for, else the first image type Accept names."""
+    """The output format: the one asked for, else the image type Accept wants most."""
     if asked:
         return asked
-    for item in accept.split(","):
-        mime = item.split(";", 1)[0].strip().lower()
-        if mime in MIME_TO_FORMAT:
-            return MIME_TO_FORMAT[mime]
-    return default
+    return next((MIME_TO_FORMAT[m] for m in accepted(accept) if m in MIME_TO_FORMAT), default)
+
+
+def prefers_json(accept: str) -> bool:
+    """Whether Accept wants application/json before any picture (image/png, image/*, */*):
+    "application/json, */*" does, "application/json;q=0, image/png" and
+    "application/json-seq" do not."""
+    for mime in accepted(accept):
+        if mime == "application/json":
+            return True
+        if mime in MIME_TO_FORMAT or mime in ("image/*", "*/*"):
+            return False
+    return False
 
 
 # zlib's run-length strategy with the "up" filter on every row: 2.2x faster than level 1's
