@@ -103,7 +103,10 @@ CORPUS = [
     ("json too many fields", js({f"f{i}": 1 for i in range(100)} | {"image": b64(PNG)}), 422, "invalid_parameter"),
     ("multipart without boundary", raw(b"--x\r\n", "multipart/form-data"), 400, "bad_multipart"),
     ("multipart broken", multipart(b"--b\r\nContent-Disposition: form-data; name=\"image\"\r\n\r\nabc"),
-     422, "invalid_parameter"),
+     400, "bad_multipart"),
+    ("multipart cut inside its picture", multipart(
+        b"--b\r\nContent-Disposition: form-data; name=\"image\"; filename=\"a.png\"\r\n"
+        b"Content-Type: image/png\r\n\r\n" + PNG[:len(PNG) // 2]), 400, "bad_multipart"),
     ("multipart wrong field", {"files": {"picture": ("a.png", PNG, "image/png")}, "query": ""},
      422, "invalid_parameter"),
     ("url-encoded form (cannot carry an image)", {"data": {"image": "not a file"}, "query": ""},

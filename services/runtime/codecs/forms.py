@@ -108,7 +108,7 @@ MULTIPART_SLICE = 1 << 20
 def parse_multipart(body: bytes, content_type_header: str, max_fields: int) -> dict[str, Part]:
     """Every part in memory, by field name; a repeated name or too many parts is a 422."""
     from python_multipart.exceptions import FormParserError
-    from python_multipart.multipart import MultipartParser, parse_options_header
+    from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
 
     _, options = parse_options_header(content_type_header)
     boundary = options.get(b"boundary")
@@ -158,6 +158,8 @@ def parse_multipart(body: bytes, content_type_header: str, max_fields: int) -> d
         raise
     except (FormParserError, ValueError) as exc:
         raise ApiError(400, "bad_multipart", f"cannot parse the multipart body: {exc}") from None
+    if parser.state != MultipartState.END:  # cut short: its last part may be a piece of a picture
+        raise ApiError(400, "bad_multipart", "the multipart body ends before its closing boundary")
     out: dict[str, Part] = {}
     for part in parts:
         part.data = _joined(part.data)
