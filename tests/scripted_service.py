@@ -40,15 +40,29 @@ def wait_for(cond, timeout=10.0, what="condition"):
     raise AssertionError(f"{what} not reached within {timeout} s")
 
 
-def hold_model(svc, seconds: float, rid: str = "blocker"):
+class Held:
+    """The request holding the model: its answer (result), and release() to end the hold now."""
+
+    def __init__(self, svc, fut: concurrent.futures.Future):
+        self.svc, self.fut = svc, fut
+
+    def release(self) -> None:
+        httpx.post(self.svc.url + "/release", timeout=10)
+
+    def result(self, timeout: float | None = None):
+        return self.fut.result(timeout)
+
+
+def hold_model(svc, seconds: float, rid: str = "blocker") -> Held:
     """Start a request that occupies the model, and wait until the model really has it.
     Hold it for longer than what the test queues behind it takes to arrive on a loaded
-    2-core machine: the test asserts what the queue does while the model is busy."""
+    2-core machine: the test asserts what the queue does while the model is busy. A test
+    whose steps take turns with the queue holds it long and releases it when done."""
     pool = concurrent.futures.ThreadPoolExecutor(1)
     fut = pool.submit(post, svc, f"?id={rid}&sleep={seconds}")
     wait_for(lambda: rid in seen(svc)["seen"], what=f"{rid} on the model")
     pool.shutdown(wait=False)
-    return fut
+    return Held(svc, fut)
 
 
 def answers_ready(svc) -> bool:

@@ -1,9 +1,9 @@
 """A service on the real runtime with a scripted model, for admission/batching/fault tests.
 
 POST /api/v1/echo?id=X&sleep=S&mode=M[&key=K&items=N&cancellable=1&decode_sleep=D] with an
-image body; GET /block?s=S stalls the event loop on purpose. The backend sleeps S seconds per batch
-(the longest asked), records every id
-it sees (GET /seen), and per mode: "bad" fails that item alone (422), "oom" raises
+image body; GET /block?s=S stalls the event loop on purpose. The backend sleeps S seconds per
+batch (the longest asked; POST /release wakes the one sleeping now), records every id it sees
+(GET /seen), and per mode: "bad" fails that item alone (422), "oom" raises
 CUDA's OOM text for the batch, "torch_oom" raises torch.cuda.OutOfMemoryError, "boom"
 raises an unexpected error in decode, "hang" blocks the model. `key` sets the batching
 key (items with different keys never share a batch), `items` makes the request bring N
@@ -70,6 +70,7 @@ class ScriptedBackend(Backend):
     def __init__(self, batching: bool, warmup_sleep_s: float, fail_load: bool, warmup_oom_above: int = 0):
         self.supports_batching = batching
         self.warmup_sleep_s = warmup_sleep_s
+        self.release = threading.Event()  # POST /release: the batch sleeping now wakes
         self.warmup_oom_above = warmup_oom_above
         self.fail_load = fail_load
         self.record = Record()
@@ -113,8 +114,8 @@ class ScriptedBackend(Backend):
                     stopped = True
                     break
                 time.sleep(0.05)
-        else:
-            time.sleep(longest)
+        elif self.release.wait(longest):  # a hold the test ends when it has done what it held for
+            self.release.clear()
         return [ApiError(422, "bad_item", f"item {i.id} is bad") if i.mode == "bad"
                 else {"id": i.id, "batch": len(items), "stopped": stopped} for i in items]
 
@@ -162,6 +163,11 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
         async def block(s: float = 1.0):
             time.sleep(s)  # deliberately stalls the event loop: /healthz must notice
             return {"blocked": s}
+
+        @app.post("/release")
+        async def release():
+            backend.release.set()
+            return {"released": True}
 
         @app.get("/seen")
         async def seen():

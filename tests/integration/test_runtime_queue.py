@@ -82,8 +82,8 @@ def test_a_dropped_request_behind_others_frees_its_slot_at_once(tmp_path):
     """Dropping a queued request with others ahead of it (numpy payloads compare badly by
     value) must take it out of the queue now, not when the batch loop reaches it."""
     with ServiceProcess(APP, {"max_queue": 3, "max_batch_size": 1}, tmp_path) as svc:
-        blocker = hold_model(svc, 4)
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        blocker = hold_model(svc, 60)  # released once the newcomer is in
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
             ahead = [pool.submit(post, svc, f"?id=ahead{i}") for i in range(2)]
             wait_for(lambda: httpx.get(svc.url + "/stats").json()["items_pending"] == 2, what="two queued")
             _quit_while_queued(svc, "quitter")
@@ -91,6 +91,8 @@ def test_a_dropped_request_behind_others_frees_its_slot_at_once(tmp_path):
             assert httpx.get(svc.url + "/stats").json()["items_pending"] == 2  # out of the queue too
             # the freed slot admits a newcomer (else: a spurious 503)
             newcomer = pool.submit(post, svc, "?id=newcomer")
+            wait_for(lambda: httpx.get(svc.url + "/stats").json()["items_pending"] == 3, what="the newcomer queued")
+            blocker.release()
             assert [f.result().status_code for f in ahead] == [200, 200]
             assert newcomer.result().status_code == 200
         assert blocker.result().status_code == 200
@@ -100,7 +102,8 @@ def test_a_dropped_request_behind_others_frees_its_slot_at_once(tmp_path):
 def test_batches_start_with_the_oldest_and_take_compatible_items_in_order(tmp_path):
     settings = {"batching": True, "max_batch_size": 3}
     with ServiceProcess(APP, settings, tmp_path) as svc:
-        blocker = hold_model(svc, 4)
+        # seven requests queued one by one took over 4 s on a loaded machine: held until all are in
+        blocker = hold_model(svc, 60)
         order = ["a1", "b1", "a2", "a3", "b2", "a4", "b3"]
         with concurrent.futures.ThreadPoolExecutor(len(order)) as pool:
             futs = []
@@ -109,6 +112,7 @@ def test_batches_start_with_the_oldest_and_take_compatible_items_in_order(tmp_pa
                 n = len(futs)
                 wait_for(lambda n=n: httpx.get(svc.url + "/stats").json()["items_pending"] == n,
                          what=f"{rid} queued")
+            blocker.release()
             assert all(f.result().status_code == 200 for f in futs)
         assert blocker.result().status_code == 200
         batches = seen(svc)["batches"][1:]
