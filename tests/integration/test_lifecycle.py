@@ -81,6 +81,23 @@ def test_a_stop_signal_drains_in_flight_requests_and_exits_0(tmp_path, sig):
         run.assert_clean()
 
 
+def test_a_stop_while_a_model_warms_up_exits_0_at_once(tmp_path):
+    """A pod deleted while its model warms up: no port is open yet, nothing was taken, so the
+    service exits 0 at once. It waited for the warm-up, spent the whole drain and ended the
+    unit with 75, "drain incomplete"."""
+    from tests.harness import pythonpath
+    warming = {"app": "tests.children.scripted_app:create_app", "port": free_port(), "threads": 1,
+               "env": {"PYTHONPATH": pythonpath()}, "settings": {"warmup_sleep_s": 30.0}}
+    with SupervisorRun(tmp_path, {"a": warming}, grace_s=6.0) as run:  # drain 4 s
+        run.wait_for("the warm-up under way", lambda: "Waiting for application startup" in run.output())
+        run.signal(signal.SIGTERM)
+        assert run.wait_exit(20) == 0, run.output()  # the warm-up outlasts the drain: 75 before
+        out = run.output()
+        assert "a: stop signal during start-up; nothing was taken; exiting 0" in out
+        assert "a: exited with code 0 (it was told to stop)" in out and "exit 0: SIGTERM received" in out
+        run.assert_clean()
+
+
 def test_a_drain_that_runs_out_ends_with_the_service_exiting_on_its_own_and_exit_75(tmp_path):
     services = {"a": fake_service(), "b": fake_service()}
     with SupervisorRun(tmp_path, services, grace_s=4.0) as run:  # drain 2 s < grace 4 s

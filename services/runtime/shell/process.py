@@ -227,6 +227,13 @@ def main() -> int:
                 self.door = door
 
         def handle_exit(self, sig, frame):  # readiness goes 503 the moment the drain starts
+            if not self.started and not self.should_exit:
+                # still starting (a model warming up): no port is open, nothing was taken, so
+                # there is nothing to drain. Waiting for the warm-up spent the whole drain and
+                # ended in 75, "work lost", for a pod deleted while it started
+                print(f"{env.get('ONECARD_SERVICE_NAME', 'service')}: stop signal during start-up; nothing "
+                      f"was taken; exiting 0", file=sys.stderr)
+                hard_exit(0)
             if shell is not None:
                 shell.begin_drain()
             stop_requested.set()  # only flags: the watchdog thread does the waiting
