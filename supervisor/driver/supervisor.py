@@ -218,6 +218,10 @@ class Supervisor:
                     child.fire(ChildEvent.TERM)
                     if was_alive:
                         self.system.kill_group(child.pid, signal.SIGTERM)
+                        # a stopped (SIGSTOP) process holds its SIGTERM until it runs again: it
+                        # was SIGKILLed at grace and the stop lost its work (75); s6 and systemd
+                        # follow a stop's SIGTERM with a SIGCONT too
+                        self.system.kill_group(child.pid, signal.SIGCONT)
                 self.descendants.signal_all(self.children, signal.SIGTERM)
                 if self._grace_timer is None:
                     self._grace_timer = self.clock.call_later(self.settings.grace_s,

@@ -182,6 +182,23 @@ def test_a_supervisor_frozen_past_its_startup_timeout_probes_again_before_judgin
         assert run.wait_exit(15) == 0
 
 
+def test_a_stop_wakes_a_stopped_service_to_drain_and_exit_0(tmp_path):
+    """A service process stopped (SIGSTOP: a debugger, a freezer) when the unit is told to stop:
+    its SIGTERM is held until it runs again. Without a SIGCONT it was SIGKILLed at grace, and
+    the stop lost its work (75)."""
+    with SupervisorRun(tmp_path, {"a": fake_service(), "b": fake_service()}, grace_s=4.0,
+                       liveness_failures=100) as run:
+        run.wait_ready()
+        pid = run.child_pid("a")
+        os.kill(pid, signal.SIGSTOP)
+        run.wait_for("a stopped", lambda: psutil.Process(pid).status() == psutil.STATUS_STOPPED)
+        run.signal(signal.SIGTERM)
+        assert run.wait_exit(20) == 0, run.output()
+        out = run.output()
+        assert "a: exited with code 0 (it was told to stop)" in out and "SIGKILL" not in out, out
+        run.assert_clean()
+
+
 @pytest.mark.parametrize("stdio", ["closed", "/dev/full"])
 def test_a_config_error_with_unusable_stderr_still_exits_2(tmp_path, stdio):
     bad = tmp_path / "bad.toml"
