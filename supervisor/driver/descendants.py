@@ -191,6 +191,16 @@ class Descendants:
                     break
                 await asyncio.sleep(0.01)
                 reap()
+            if self.sentinel_pid is not None and not survivors:
+                # told it is done and still there (stopped, or stuck): nothing is left for it to
+                # end, and a unit never exits 0 while a process it started is alive
+                port.log.warning(f"the sentinel (pid {self.sentinel_pid}) did not end when told; SIGKILL")
+                port.system.kill(self.sentinel_pid, signal.SIGKILL)
+                for _ in range(100):
+                    if self.sentinel_pid is None:
+                        break
+                    await asyncio.sleep(0.01)
+                    reap()
         return survivors
 
     def _collect(self, helpers: set[int]) -> set[int]:

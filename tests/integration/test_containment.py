@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.harness import ROOT, SupervisorRun, free_port, http_get
+from tests.harness import ROOT, SupervisorRun, fake_service, free_port, http_get
 
 SERVER = str(ROOT / "tests" / "children" / "daemon_server.py")
 
@@ -138,6 +138,21 @@ def test_an_adopted_orphan_that_dropped_the_marker_is_ended_before_the_unit_exit
             assert port_free(port)
         finally:
             kill_quietly(pid)
+
+
+def test_a_sentinel_that_does_not_end_when_told_is_killed_before_the_unit_exits(tmp_path):
+    """The sentinel stopped (SIGSTOP) when the unit stops: told it is done, it cannot go. The
+    unit exited 0 with it still alive; a unit never exits 0 while a process it started lives."""
+    with SupervisorRun(tmp_path, {"a": fake_service()}) as run:
+        run.wait_ready()
+        run.record_tree()
+        sentinel = next(p for p in run.seen.values() if "sentinel" in " ".join(p.cmdline()))
+        os.kill(sentinel.pid, signal.SIGSTOP)
+        run.signal(signal.SIGTERM)
+        assert run.wait_exit(20) == 0, run.output()
+        assert f"the sentinel (pid {sentinel.pid}) did not end when told; SIGKILL" in run.output()
+        assert gone(sentinel.pid)
+        run.assert_clean()
 
 
 @pytest.mark.parametrize("mode", MODES)
