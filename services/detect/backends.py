@@ -242,8 +242,9 @@ class HaarBackend(_PerImageBackend):
         if scale < 1.0:
             gray = cv2.resize(gray, (max(1, round(w * scale)), max(1, round(h * scale))), interpolation=cv2.INTER_AREA)
         found = self.cascade.detectMultiScale(gray, scaleFactor=1.1, minNeighbors=5, minSize=(24, 24))
-        return [_face((x / scale, y / scale, (x + fw) / scale, (y + fh) / scale), 1.0, [])
-                for (x, y, fw, fh) in found]
+        # each side was rounded on its own: a box at the scan's edge may pass the picture's by a pixel
+        return [_face((min(x / scale, w), min(y / scale, h), min((x + fw) / scale, w), min((y + fh) / scale, h)),
+                      1.0, []) for (x, y, fw, fh) in found]
 
     def info(self) -> dict[str, Any]:
         return {"backend": self.name, "model": self.settings.haar_cascade,

@@ -138,7 +138,8 @@ def test_json_is_wanted_only_before_every_picture_type():
                    "image/png;q=0.5, application/json", "APPLICATION/JSON;q=0.9"):
         assert prefers_json(accept), accept
     for accept in ("", "*/*", "image/png, application/json", "application/json;q=0, image/png",
-                   "application/json-seq", "application/json;q=0.5, image/*", "application/json;q=0"):
+                   "application/json-seq", "application/json;q=0.5, image/*", "application/json;q=0",
+                   "application/json;q=-inf, image/png"):
         assert not prefers_json(accept), accept
     data, mime = encode_image(np.zeros((8, 8, 3), np.uint8), "webp")
     assert mime == "image/webp" and Image.open(__import__("io").BytesIO(data)).format == "WEBP"

@@ -282,7 +282,7 @@ def accepted(accept: str) -> list[str]:
                     q = float(value.strip())
                 except ValueError:
                     q = 1.0
-                q = min(1.0, q) if math.isfinite(q) else 1.0
+                q = 1.0 if q != q else max(0.0, min(1.0, q))  # NaN: no number; -inf: refused
         if q > 0 and mime.strip():
             ranges.append((-q, i, mime.strip().lower()))
     return [mime for _, _, mime in sorted(ranges)]
