@@ -268,7 +268,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._last_read_at = self.loop.time()
             phase_before, message_before, data_before = self._phase, self._message_no, self._body_data
             self._heads_in_read = 0
-            if self._phase != BODY:
+            if self._phase == IDLE:  # a read that begins a request (upgrade_header.py)
                 data = without_upgrade(data)
             try:
                 self.parser.feed_data(data)
