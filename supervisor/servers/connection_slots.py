@@ -67,6 +67,7 @@ class Slots:
         self._busy: set[Any] = set()          # request complete: being answered
         self._overflow: set[Any] = set()      # taken beyond the limit with a whole request
         self._late: dict[asyncio.Future, None] = {}  # newcomers waiting for their request (admit_late), oldest first
+        self._late_count = 0                  # newcomers in admit_late, those waiting for room included
         self._left: asyncio.Future | None = None  # done when a connection leaves (admit_late)
         self.closed_early = 0                 # closed to make room, and newcomers refused
 
@@ -113,19 +114,26 @@ class Slots:
         slot, or a place beyond the limit: those answers are quick); else None (counted as
         closed early). The waits are on the connection's own data and on a connection
         leaving, no polling. At most LATE_PER_SLOT x `limit` wait at once: past that, the
-        one waiting longest (it had the most time to send) is closed, and this one waits.
-        The wait also paces clients that reconnect the moment they are closed."""
+        one waiting longest for its request (it had the most time to send) is closed, and
+        this one waits; when every one has its request in and waits for room, this one is
+        closed. The wait also paces clients that reconnect the moment they are closed."""
         loop = asyncio.get_running_loop()
-        if len(self._late) >= LATE_PER_SLOT * self.limit:
+        if self._late_count >= LATE_PER_SLOT * self.limit:
+            if not self._late:  # every one of them has its whole request, waiting for room
+                self.closed_early += 1
+                return None
             oldest = next(iter(self._late))
             del self._late[oldest]
+            self._late_count -= 1
             oldest.set_result(None)  # its wait ends here: closed early
         given_up = loop.create_future()
         self._late[given_up] = None
+        self._late_count += 1
         deadline = loop.time() + LATE_S
         reading = asyncio.ensure_future(read_request())
         try:
             await asyncio.wait((reading, given_up), timeout=LATE_S, return_when=asyncio.FIRST_COMPLETED)
+            self._late.pop(given_up, None)  # its request is in (or never came): no longer the one to close
             if reading.done() and not given_up.done():
                 request = reading.result()
                 if await self._room_by(deadline):
@@ -137,6 +145,8 @@ class Slots:
             pass
         finally:
             self._late.pop(given_up, None)
+            if not given_up.done():  # one closed to make way was uncounted then
+                self._late_count -= 1
             if not reading.done():
                 reading.cancel()
             elif not reading.cancelled():

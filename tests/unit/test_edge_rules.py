@@ -207,6 +207,50 @@ def test_past_the_bound_of_late_newcomers_the_one_waiting_longest_is_closed_not_
     assert closed == silent_n  # every silent one, in the end
 
 
+def test_late_newcomers_whose_requests_are_in_still_count_toward_the_bound():
+    """Every slot and place beyond taken, newcomers with whole requests wait for room: past
+    LATE_PER_SLOT x limit of them the next is closed at once. Closing the longest waiter
+    without looking took them off the count, and 40 waited at once with a bound of 4."""
+    import asyncio
+
+    from supervisor.servers.connection_slots import LATE_PER_SLOT, OVERFLOW, Slots
+
+    request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    newcomers = 40
+
+    async def scenario() -> tuple[int, list]:
+        loop = asyncio.get_running_loop()
+        aborted: list = []
+        with socket_pairs(1 + OVERFLOW + newcomers) as pairs:
+            slots = Slots(1, clock=lambda: 0.0)
+            writers = [SlotWriter(ours, aborted) for ours, _ in pairs]
+            for _, theirs in pairs:
+                theirs.sendall(request)
+            assert slots.admit(writers[0])
+            slots.working(writers[0])
+            assert all(slots.admit(w) for w in writers[1:1 + OVERFLOW])  # the places beyond, all taken
+            waiting, peak = [0], [0]
+
+            async def late(i: int):
+                pairs[i][0].setblocking(False)
+                waiting[0] += 1
+                peak[0] = max(peak[0], waiting[0])
+                try:
+                    return await slots.admit_late(writers[i], lambda: loop.sock_recv(pairs[i][0], 4096))
+                finally:
+                    waiting[0] -= 1
+            tasks = []
+            for i in range(1 + OVERFLOW, 1 + OVERFLOW + newcomers):
+                tasks.append(asyncio.ensure_future(late(i)))
+                await asyncio.sleep(0.005)  # one after another: each one's request is read before the next
+            got = await asyncio.gather(*tasks)
+            return peak[0], got
+
+    peak, got = asyncio.run(scenario())
+    assert got == [None] * newcomers  # no room came: every one closed, at its deadline or at once
+    assert peak <= LATE_PER_SLOT * 1 + 1, peak  # (+1: the newcomer being closed at once, counted here)
+
+
 def test_a_late_newcomer_whose_request_is_in_waits_for_room_until_its_deadline():
     """A burst of whole probes fills the places beyond the limit: one more, late, is taken
     when an answered one leaves (answers are quick), not refused at once."""
