@@ -334,6 +334,22 @@ def test_a_body_that_looks_like_an_upgrade_header_is_never_rewritten(svc):
             assert [(st, json.loads(b)["tag"]) for st, _, b in rest] == [(200, "next")], (cut, rest)
 
 
+def test_an_upgrade_offer_in_the_second_read_of_a_head_is_ignored_too(svc):
+    """A head longer than a segment (cookies) may come in two reads, its Upgrade header in the
+    second: the body was not read and a valid picture got 400 (empty), as in one read before
+    the rename."""
+    head = (b"POST /api/v1/echo?id=split HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+            + f"Content-Length: {len(PNG)}\r\nCookie: {'c' * 1400}\r\n".encode())
+    with connect(svc) as s:
+        s.sendall(head)
+        time.sleep(0.2)  # read apart
+        s.sendall(H2C + b"\r\n" + PNG)
+        status, _, body = read_responses(s, 1)[0]
+        assert status == 200 and json.loads(body)["id"] == "split", body
+        s.sendall(b"GET /wait?s=0&tag=next HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert [(st, json.loads(b)["tag"]) for st, _, b in read_responses(s)] == [(200, "next")]
+
+
 def test_an_upgrade_offer_costs_no_header_bytes(svc):
     """A head at exactly max_header_bytes with an Upgrade header is taken as it is without one
     (the renamed header is as long as the name it replaces): one byte over, 431 either way."""

@@ -101,6 +101,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._body_rate: BodyRate | None = None
             self._chunks = 0           # chunk headers of this request's body
             self._last_read_at = 0.0   # on the loop's clock: a stalled body may make room (connection_room)
+            self._head_tail = b""      # the last bytes of the previous read (upgrade_header)
             self._overflow = False     # taken beyond max_connections with a whole request
             self._body_data = 0        # its bytes without the framing
             self._leave_timer: asyncio.TimerHandle | None = None  # made room: told and closed then
@@ -270,6 +271,9 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._heads_in_read = 0
             if self._phase == IDLE:  # a read that begins a request (upgrade_header.py)
                 data = without_upgrade(data)
+            elif self._phase == HEAD:  # a head goes on in this read
+                data = without_upgrade(data, self._head_tail)
+            self._head_tail = data[-3:]
             try:
                 self.parser.feed_data(data)
             except httptools.HttpParserUpgrade:
