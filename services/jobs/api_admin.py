@@ -41,9 +41,10 @@ def _limit(value: Any, most: int, default: int) -> int:
     if value is None:
         return default
     if isinstance(value, str):
-        if not value.isascii() or not value.isdigit() or len(value.lstrip("0")) > 9:
+        digits = value.lstrip("0")  # int() of 4 301 digits raises, zeros or not
+        if not value.isascii() or not value.isdigit() or len(digits) > 9:
             raise ApiError(422, "invalid_parameter", f"limit: expected a whole number from 1 to {most}")
-        value = int(value.lstrip("0") or "0")  # int() of 4 301 digits raises, zeros or not
+        value = int(digits or "0")
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
         raise ApiError(422, "invalid_parameter", f"limit: expected a whole number from 1 to {most}")
     return value

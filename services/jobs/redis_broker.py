@@ -59,6 +59,11 @@ def _cursor(last: tuple[bytes, float]) -> str:
     return f"{int(score)}:{job_id if valid_id(job_id) else '0' * 32}"
 
 
+def _record(raw: dict, job_id: str) -> dict[str, str]:
+    """A job's record as text: the job its key names, whatever its own id field says (or lacks)."""
+    return {**{_s(k): _s(v) for k, v in raw.items()}, "id": job_id}
+
+
 class RedisBroker(RedisConsuming, Broker):
     mode = "redis"
 
@@ -298,8 +303,7 @@ class RedisBroker(RedisConsuming, Broker):
     @deadline
     async def get(self, job_id: str) -> dict[str, str] | None:
         raw = await self.r.hgetall(self.job_key(job_id))
-        # the record is the job its key names, whatever its own id field says (or lacks)
-        return {**{_s(k): _s(v) for k, v in raw.items()}, "id": job_id} if raw else None
+        return _record(raw, job_id) if raw else None
 
     @deadline
     async def result(self, job_id: str) -> bytes | None:
@@ -352,8 +356,7 @@ class RedisBroker(RedisConsuming, Broker):
         for (member, _), raw in zip(page, records, strict=False):
             job_id = _s(member)
             if raw and valid_id(job_id):
-                # the record is the job its index entry names (redrive takes the id from here)
-                jobs.append({**{_s(k): _s(v) for k, v in raw.items()}, "id": job_id})
+                jobs.append(_record(raw, job_id))  # redrive takes the id from here
             else:
                 gone.append(member)
         if gone:  # expired records, and entries that name no job the API could give: they go

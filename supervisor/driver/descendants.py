@@ -186,22 +186,21 @@ class Descendants:
                 port.system.write(self._sentinel_fd, b"done")
             port.system.close(self._sentinel_fd)
             self._sentinel_fd = None
-            for _ in range(50):  # reap it ourselves: no zombie left to whoever adopts it
-                if self.sentinel_pid is None:
-                    break
-                await asyncio.sleep(0.01)
-                reap()
+            await self._sentinel_reaped(reap, 0.5)  # reap it ourselves: no zombie left to whoever adopts it
             if self.sentinel_pid is not None and not survivors:
                 # told it is done and still there (stopped, or stuck): nothing is left for it to
                 # end, and a unit never exits 0 while a process it started is alive
                 port.log.warning(f"the sentinel (pid {self.sentinel_pid}) did not end when told; SIGKILL")
                 port.system.kill(self.sentinel_pid, signal.SIGKILL)
-                for _ in range(100):
-                    if self.sentinel_pid is None:
-                        break
-                    await asyncio.sleep(0.01)
-                    reap()
+                await self._sentinel_reaped(reap, 1.0)
         return survivors
+
+    async def _sentinel_reaped(self, reap: Callable[[], None], within_s: float) -> None:
+        for _ in range(round(within_s / 0.01)):
+            if self.sentinel_pid is None:
+                return
+            await asyncio.sleep(0.01)
+            reap()
 
     def _collect(self, helpers: set[int]) -> set[int]:
         port, containment = self.port, self.containment

@@ -60,7 +60,6 @@ def _finite_float(text: str) -> float:
     return value
 
 
-
 def parse_json(body: bytes, max_depth: int) -> Any:
     """A JSON document; 400 when it is not JSON or nests too deep, 422 for a number
     that is not finite (NaN, Infinity, 1e999). json.loads itself stops at about 1000

@@ -277,9 +277,10 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             try:
                 self.parser.feed_data(data)
             except httptools.HttpParserUpgrade:
-                # the parser stops at an upgrade (a CONNECT, or an Upgrade header split across
-                # two reads); the request itself is answered (ignoring the upgrade, as RFC 9110
-                # lets a server do), then the connection is closed
+                # the parser stops at an upgrade it was left (a CONNECT, an Upgrade name cut
+                # between reads, one pipelined behind another request: upgrade_header.py); the
+                # request itself is answered (ignoring the upgrade, as RFC 9110 lets a server do),
+                # then the connection is closed
                 self._broken = True
                 if self.cycle is not None:
                     self.cycle.keep_alive = False

@@ -231,8 +231,7 @@ def main() -> int:
                 # still starting (a model warming up): no port is open, nothing was taken, so
                 # there is nothing to drain. Waiting for the warm-up spent the whole drain and
                 # ended in 75, "work lost", for a pod deleted while it started
-                print(f"{env.get('ONECARD_SERVICE_NAME', 'service')}: stop signal during start-up; nothing "
-                      f"was taken; exiting 0", file=sys.stderr)
+                print(f"{name}: stop signal during start-up; nothing was taken; exiting 0", file=sys.stderr)
                 hard_exit(0)
             if shell is not None:
                 shell.begin_drain()
