@@ -105,8 +105,6 @@ class Descendants:
             root = child.pid if child.alive else None
             if sig != signal.SIGKILL:
                 await asyncio.to_thread(containment.send, child.name, root, sig, child.pid)
-                if sig == signal.SIGTERM:  # a stopped process runs again to act on it (as its group)
-                    await asyncio.to_thread(containment.send, child.name, root, signal.SIGCONT, child.pid)
                 continue
             if child.state == ChildState.LINGERING:
                 left = await asyncio.to_thread(containment.members, child.name, None)

@@ -232,7 +232,10 @@ class Containment:
         pids = self.members(name, root)
         if skip_group is not None:
             pids = {p for p in pids if _pgid(p) != skip_group}
-        return kill_each(pids, sig)
+        sent = kill_each(pids, sig)
+        if sig == signal.SIGTERM:  # a stopped (SIGSTOP) process acts on it only once it runs again
+            kill_each(sent, signal.SIGCONT)
+        return sent
 
     def kill(self, name: str, root: int | None) -> set[int]:
         for _ in range(KILL_ROUNDS):
