@@ -8,6 +8,7 @@ that knows nothing of onecard). `ignore-term`: SIGTERM is ignored (only SIGKILL 
 `detach`: it forks once more and the parent exits, so the server is re-parented to the
 nearest subreaper (the supervisor) and is no longer in its starter's process tree.
 `bare-env`: it first execs itself with an empty environment (no onecard marker left).
+`note-term`: on SIGTERM it writes PIDFILE.term and exits 0 (a clean stop, told apart from a SIGKILL).
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def main() -> None:
         os._exit(0)
     if "ignore-term" in flags:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if "note-term" in flags:
+        def note(*_):
+            with open(pidfile + ".term", "w") as fh:
+                fh.write("SIGTERM")
+            os._exit(0)
+        signal.signal(signal.SIGTERM, note)
     server = http.server.HTTPServer(("127.0.0.1", port), Handler)
     with open(pidfile + ".tmp", "w") as fh:
         fh.write(str(os.getpid()))

@@ -106,6 +106,26 @@ def test_a_server_that_ignores_sigterm_is_killed_at_grace_and_the_stop_says_work
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_stopped_process_left_behind_is_woken_to_act_on_its_sigterm(tmp_path, mode):
+    """The service's main exits, leaving a server it started that is stopped (SIGSTOP): the
+    SIGTERM it is sent is held until it runs again. Without the SIGCONT that follows it, the
+    server was SIGKILLed at grace and never ran its own stop."""
+    port, pidfile = free_port(), tmp_path / "server.pid"
+    svc = wrapper(port, pidfile, "note-term",
+                  then=f"while [ ! -s {pidfile} ]; do sleep 0.05; done; kill -STOP $(cat {pidfile}); exit 3")
+    with SupervisorRun(tmp_path, {"leaver": svc}, containment=mode, grace_s=3.0) as run:
+        assert run.wait_exit(20) == 3, run.output()
+        pid = int(pidfile.read_text())
+        try:
+            assert gone(pid, timeout=0.5)
+            out = run.output()
+            assert (tmp_path / "server.pid.term").exists(), f"the stopped server never ran its SIGTERM handler\n{out}"
+            assert "still running after SIGTERM" not in out, out
+        finally:
+            kill_quietly(pid)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_a_service_that_dies_leaving_a_detached_daemon_takes_it_down_with_the_unit(tmp_path, mode):
     """The daemon double-forked: re-parented to the supervisor (the subreaper), in no
     service's process tree any more."""
