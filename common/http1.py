@@ -56,7 +56,13 @@ class RequestLine:
 
     @property
     def path(self) -> str:
-        return self.target.split("?", 1)[0]
+        """The target's path: of an absolute-form target too (``GET http://host:7860/healthz``,
+        what a client sends through a proxy; RFC 9112 3.2.2: a server must accept it)."""
+        target = self.target
+        scheme, sep, rest = target.partition("://")
+        if sep and scheme.lower() in ("http", "https"):
+            target = "/" + rest.partition("/")[2]
+        return target.split("?", 1)[0]
 
 
 @dataclass(frozen=True)

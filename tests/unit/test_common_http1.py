@@ -57,6 +57,13 @@ def test_the_request_line():
         http1.parse_request_line(b"hello\r\n\r\n")
 
 
+@pytest.mark.parametrize("target, path", [("http://127.0.0.1:7860/healthz", "/healthz"),
+                                          ("HTTP://h/readyz?x=1", "/readyz"), ("http://h", "/"),
+                                          ("/a://b", "/a://b"), ("ftp://h/healthz", "ftp://h/healthz")])
+def test_an_absolute_form_target_gives_its_path(target, path):
+    assert http1.parse_request_line(f"GET {target} HTTP/1.1\r\n\r\n".encode()).path == path
+
+
 def test_an_error_answer_is_the_json_envelope_and_head_drops_the_body():
     answer = http1.error_answer(405, "method_not_allowed", "use GET", (("Allow", "GET, HEAD"),))
     data = http1.encode_answer(answer)
