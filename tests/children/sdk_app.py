@@ -4,7 +4,8 @@ one, for the tests that check it gets what the built-in services get.
 POST /api/v1/tint (a picture; params: tag, sleep, mode): the model sleeps `sleep` per call
 (the longest asked), records every call's tags in order, reports progress, stops between
 50 ms steps when every item is cancelled. mode "bad" fails that item alone (422), "boom"
-raises from decode. The answer: the picture's mean color and size (JSON), or the picture
+raises from decode, "exit" calls sys.exit() in decode, "quit" raises KeyboardInterrupt in
+predict. The answer: the picture's mean color and size (JSON), or the picture
 itself with ?answer=image (format from Accept). POST /api/v1/words (text/plain or JSON
 {"text": ...}): a second model route without pictures. GET /record: what the model saw;
 GET /modules?prefix=P: the modules this process has imported under P.
@@ -57,6 +58,8 @@ class Tint(onecard.Model):
         p = request.params()
         if p.mode == "boom":
             raise KeyError("unexpected")
+        if p.mode == "exit":
+            sys.exit(3)
         rgb = request.image()
         request.state.answer = p.answer
         return {"tag": p.tag, "rgb": rgb, "sleep": p.sleep, "mode": p.mode}
@@ -68,6 +71,8 @@ class Tint(onecard.Model):
         tags = [i["tag"] for i in items]
         if tags != ["warmup"] * len(tags):
             self.calls.append(tags)
+        if any(i["mode"] == "quit" for i in items):
+            raise KeyboardInterrupt("quit")
         steps = int(max(i["sleep"] for i in items) / 0.05)
         for step in range(steps):
             if call.cancelled():

@@ -82,6 +82,20 @@ def test_an_item_that_fails_fails_alone(svc):
         assert good.result().status_code == 200
 
 
+def test_a_hook_that_exits_fails_its_request_alone_and_the_service_goes_on(svc):
+    """sys.exit() in decode_request, KeyboardInterrupt in predict (batched with a good item):
+    each was a plain-text 500 and the end of the service, its batch neighbours lost."""
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        quit_ = pool.submit(tint, svc, "quit-bad", 0.1, "quit")
+        good = pool.submit(tint, svc, "quit-good", 0.1)
+        exit_ = pool.submit(tint, svc, "exit-bad", 0.0, "exit")
+        for r in (quit_.result(), exit_.result()):
+            assert_error(r, 500, "internal_error")
+        assert good.result().status_code == 200 and good.result().json()["tag"] == "quit-good"
+    assert svc.proc.poll() is None
+    assert tint(svc, "after-exit").status_code == 200
+
+
 def test_a_gone_client_stops_its_call_and_the_next_request_is_served(svc):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(svc.url + "/api/v1/tint", params={"tag": "gone", "sleep": 20}, content=picture(),

@@ -10,6 +10,7 @@ from typing import Any
 
 from services.runtime.codecs.gil_lane import release_on
 from services.runtime.device.threads import lower_priority
+from services.runtime.pipeline.contained import contained
 
 
 def cpu_pool_size(threads: int) -> int:
@@ -26,7 +27,7 @@ class CpuPool:
                                                            initializer=lower_priority)
 
     async def run(self, fn: Callable, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, contained, fn, *args)
 
     def release(self, garbage: list) -> None:
         """Let a request's big objects go on a worker, in the GIL lane, instead of on the event

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from services.runtime.device.threads import lower_priority
+from services.runtime.pipeline.contained import contained
 
 
 class GpuWorker:
@@ -24,12 +25,12 @@ class GpuWorker:
         loop = asyncio.get_running_loop()
         if tracked:
             return await loop.run_in_executor(self._pool, self._call, fn, args)
-        return await loop.run_in_executor(self._pool, fn, *args)
+        return await loop.run_in_executor(self._pool, contained, fn, *args)
 
     def _call(self, fn: Callable, args: tuple) -> Any:
         self._busy_since = time.monotonic()
         try:
-            return fn(*args)
+            return contained(fn, *args)
         finally:
             self._busy_since = None
 

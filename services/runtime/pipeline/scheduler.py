@@ -406,7 +406,10 @@ class Scheduler:
         if isinstance(event, threading.Event) and event.is_set():
             return ClientGone()
         try:
-            return (await self.worker.run(self.backend.infer_batch, [payload]))[0]
+            results = await self.worker.run(self.backend.infer_batch, [payload])
+            if len(results) != 1:  # its first would be taken for its own: another item's answer
+                raise RuntimeError(f"backend returned {len(results)} results for 1 item")
+            return results[0]
         except Exception as exc:  # noqa: BLE001 - this item's own failure
             return exc
 
