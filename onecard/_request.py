@@ -146,15 +146,17 @@ class Request:
         return self._headers[field]
 
     def image(self, field: str | None = None, *, max_side: int | None = None,
-              required: bool = True) -> np.ndarray | None:
+              required: bool = True, answer_bytes: int | None = None) -> np.ndarray | None:
         """A picture field decoded once, as an RGB array (height x width x 3, uint8, EXIF
         orientation applied); None for an absent optional field. With ``max_side`` a JPEG
         may be decoded at reduced scale, never below max_side on its long side: resize the
         rest of the way yourself (``image_header()`` has the picture's full size).
 
         When the hook has stated no cost yet (``cost()``), this states the default one
-        first: one item of the picture's pixels (at max_side), the pictures decoded, a small
-        JSON answer. In a dry run that ends the hook here, once the parameters were read."""
+        first: one item of the picture's pixels (at max_side), the pictures decoded, and an
+        answer of ``answer_bytes`` at most (unsaid: a small JSON answer is counted, and a dry run
+        says ``output_bytes: null``, so that a job reserves result_reserve_bytes for it). In a
+        dry run that ends the hook here, once the parameters were read."""
         header = self.image_header(field, required=required)
         if header is None:
             return None
@@ -163,7 +165,7 @@ class Request:
             scale = min(1.0, max_side / max(header.width, header.height)) if max_side else 1.0
             inputs = sum(h.decode_pixels for h in self._probe_all())
             cost.check(items=1, item_pixels=int(header.pixels * scale * scale), input_pixels=inputs,
-                       dry_run_stops_here=self._params_read)
+                       output_bytes=answer_bytes, dry_run_stops_here=self._params_read)
         return decode_probed(self._picture(field or self._main_field(), True), header, max_side).rgb
 
     def cost(self, *, items: int = 1, item_pixels: int | list[int] = 0, input_pixels: int = 0,

@@ -12,14 +12,15 @@ from typing import Any
 from pydantic import Field
 
 import onecard
-from services.detect.backends import BACKENDS, DetectItem
+from services.detect.backends import BACKENDS, MAX_FACES, DetectItem, answer_bytes
 from services.detect.settings import DetectSettings
 
 
 class DetectParams(onecard.Params):
     min_score: onecard.Float = Field(0.5, ge=0.0, le=1.0, description="faces scoring lower are left out")
     max_faces: onecard.Int | None = Field(None, ge=1, le=10_000,
-                                          description="at most this many, the highest scores first")
+                                          description=f"at most this many, the highest scores first "
+                                                      f"(an answer has {MAX_FACES} at most in any case)")
 
 
 class Face(onecard.Params):
@@ -80,7 +81,7 @@ class Detect(onecard.Model):
     def decode_request(self, request: onecard.Request) -> DetectItem:
         params = request.params()
         header = request.image_header()
-        rgb = request.image(max_side=self.shrinks_to)
+        rgb = request.image(max_side=self.shrinks_to, answer_bytes=answer_bytes(params.max_faces))
         request.state.size = (header.width, header.height)
         request.state.scale = rgb.shape[1] / header.width
         return DetectItem(rgb, params.min_score, params.max_faces)

@@ -38,9 +38,21 @@ def _face(box, score, landmarks) -> dict[str, Any]:
             "landmarks": [[round(float(x), 1), round(float(y), 1)] for x, y in landmarks]}
 
 
+# faces in one answer at most, whatever the backend found: what an answer weighs is then
+# known before the picture is decoded (answer_bytes), as a job's room for its result is
+MAX_FACES = 1000
+FACE_JSON_BYTES = 512      # one face in the answer at most: 14 numbers of up to 24 characters, the keys
+ANSWER_BASE_BYTES = 4096   # the rest of the answer (its size, the envelope)
+
+
+def answer_bytes(max_faces: int | None) -> int:
+    """What an answer of at most `max_faces` faces (and never over MAX_FACES) weighs, at most."""
+    return ANSWER_BASE_BYTES + FACE_JSON_BYTES * min(max_faces or MAX_FACES, MAX_FACES)
+
+
 def _limit(faces: list[dict], max_faces: int | None) -> list[dict]:
     faces.sort(key=lambda f: f["score"], reverse=True)
-    return faces[:max_faces] if max_faces else faces
+    return faces[:min(max_faces or MAX_FACES, MAX_FACES)]
 
 
 def _nms(boxes: np.ndarray, scores: np.ndarray, thresh: float) -> np.ndarray:

@@ -98,6 +98,15 @@ def test_parameters_min_score_max_faces_and_json_input(centerface):
     assert r.status_code == 422
 
 
+def test_a_dry_run_says_what_the_answer_weighs_at_most(centerface):
+    """The bound a job reserves for its result: max_faces (else MAX_FACES) faces at most."""
+    from services.detect.backends import answer_bytes
+    for params, faces in (("", None), ("?max_faces=3", 3)):
+        r = httpx.post(centerface.url + "/api/v1/facedetect" + params, content=encode(astronaut()),
+                       headers={"content-type": "image/png", "x-onecard-dry-run": "1"}, timeout=60)
+        assert r.status_code == 200 and r.json()["cost"]["output_bytes"] == answer_bytes(faces), r.text
+
+
 def test_centerface_info(centerface):
     info = httpx.get(centerface.url + "/info").json()
     assert info["backend"] == "centerface" and info["device"] == "cpu" and info["batching"] is True

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
-from services.detect.backends import MAX_CANDIDATES, CenterFaceBackend, DetectItem
+from services.detect.app import _map_back
+from services.detect.backends import MAX_CANDIDATES, MAX_FACES, CenterFaceBackend, DetectItem, _limit, answer_bytes
 from services.detect.settings import DetectSettings
 
 
@@ -34,3 +37,18 @@ def test_a_photos_few_candidates_are_all_kept():
     item = DetectItem(np.zeros((640, 640, 3), np.uint8), 0.5, None)
     faces = backend._decode(*_outputs(heat), 1.0, item)
     assert [f["score"] for f in faces] == [0.9, 0.8]
+
+
+def test_an_answer_holds_max_faces_at_most_and_weighs_what_answer_bytes_says():
+    """What a job reserves for a detect result (the dry run's output_bytes) is a bound: the
+    answer carries MAX_FACES faces at most, each no longer than its share, at the widest
+    numbers a face may hold (far outside a huge picture, unrounded scores)."""
+    wide = -1.2345678901234567e-300
+    faces = [{"box": [wide] * 4, "score": 1 / 3 - i * 1e-9, "landmarks": [[wide, wide]] * 5}
+             for i in range(MAX_FACES + 500)]
+    kept = _limit(list(faces), None)
+    assert len(kept) == MAX_FACES and len(_limit(list(faces), 10_000)) == MAX_FACES
+    assert len(_limit(list(faces), 3)) == 3
+    answer = {"faces": [_map_back(f, 1.0, 50_000, 50_000) for f in kept], "width": 50_000, "height": 50_000}
+    assert len(json.dumps(answer)) <= answer_bytes(None)
+    assert len(json.dumps({**answer, "faces": answer["faces"][:3]})) <= answer_bytes(3) < answer_bytes(None)

@@ -366,3 +366,10 @@ def test_a_big_page_of_jobs_is_made_off_the_event_loop(monkeypatch):
     finally:
         svc.executor.shutdown()
 
+
+
+@pytest.mark.parametrize("cost, reserve", [({"output_bytes": None}, None), ({}, None), ({"output_bytes": True}, None),
+                                           ({"output_bytes": 1e400}, None), ({"output_bytes": 5000}, 5000)])
+def test_a_dry_run_that_does_not_say_what_its_answer_weighs_leaves_the_reserve_to_the_setting(cost, reserve):
+    from services.jobs.targets import output_bytes
+    assert output_bytes({"valid": True, "cost": cost}) == reserve

@@ -133,6 +133,16 @@ def test_a_request_cost_is_the_product_of_its_figures_not_each_figure_alone():
     assert estimate.call_bytes == int(1.25 * 100 * 512 * 512)
 
 
+@pytest.mark.parametrize("said, told", [({}, None), ({"output_bytes": 0}, 0), ({"output_bytes": 9000}, 9000),
+                                        ({"output_pixels": 100}, 100 * 3 + 4096)])
+def test_a_dry_run_tells_the_answer_s_size_only_where_the_hook_said_it(said, told):
+    """Unsaid, a small JSON answer is counted in what the request holds, but the dry run says
+    null: a job reserves result_reserve_bytes for its result, not that guess."""
+    estimate = RequestCost(None, Charge(HeldMemory(2**30))).check(items=1, **said)
+    assert estimate.public()["output_bytes"] == told and "output_stated" not in estimate.public()
+    assert estimate.output_bytes == (4096 if told is None else told)
+
+
 def test_a_request_that_does_not_fit_waits_its_turn_and_gets_the_room_first_come_first_served():
     import asyncio
 

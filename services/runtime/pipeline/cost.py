@@ -35,9 +35,20 @@ class CostEstimate:
     output_bytes: int        # the encoded answer, held until the client reads it
     held_bytes: int          # everything this request holds at its peak
     call_bytes: int          # working memory of a model call on its largest item
+    # whether the hook said what its answer weighs (output_pixels or output_bytes); if not,
+    # output_bytes is a small JSON answer's guess, counted but not told as an estimate
+    output_stated: bool = True
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+    def public(self) -> dict[str, int | None]:
+        """The dry run's ``cost``: output_bytes is null where the hook did not say (the jobs
+        service then reserves result_reserve_bytes for the result, not a 4 KiB guess)."""
+        doc: dict[str, int | None] = {k: v for k, v in self.as_dict().items() if k != "output_stated"}
+        if not self.output_stated:
+            doc["output_bytes"] = None
+        return doc
 
 
 def output_bytes_for(pixels: int, base64: bool = False) -> int:
@@ -171,13 +182,15 @@ class RequestCost:
         per_item = [int(p) for p in item_pixels] if not isinstance(item_pixels, int) else [int(item_pixels)] * items
         items = max(items, len(per_item)) if per_item else items
         largest = max(per_item, default=0)
+        stated = output_bytes is not None or output_pixels > 0
         if output_bytes is None:
             output_bytes = output_bytes_for(output_pixels, base64_output) if output_pixels else ANSWER_OVERHEAD
         held = (self.body_bytes + BYTES_PER_PIXEL * (input_pixels + sum(per_item) + output_pixels)
                 + int(output_bytes))
         service = self.service
         call = service.call_bytes(largest) if service is not None else 0
-        estimate = CostEstimate(items, int(input_pixels), largest, int(output_pixels), int(output_bytes), held, call)
+        estimate = CostEstimate(items, int(input_pixels), largest, int(output_pixels), int(output_bytes), held, call,
+                                stated)
         self.estimate = estimate
         self.charge.estimate = estimate.as_dict()
         budgets = service.budgets if service is not None else None

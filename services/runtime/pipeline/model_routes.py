@@ -225,7 +225,7 @@ class ModelPipeline:
     def _dry_run_doc(raw: RawRequest, work: Work | None) -> dict[str, Any]:
         estimate = raw.cost.estimate
         items = len(work.items) if work is not None else (estimate.items if estimate is not None else 0)
-        return {"valid": True, "items": items, "cost": None if estimate is None else estimate.as_dict()}
+        return {"valid": True, "items": items, "cost": None if estimate is None else estimate.public()}
 
     @staticmethod
     def _respond(reply: Reply, timing: Timing, charge=None) -> Response:
