@@ -14,6 +14,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 SNAPSHOT = Path(__file__).resolve().parent.parent / "data" / "onecard_api.json"
 RUNTIME_MADE = {"Request", "Service", "Setup", "Call"}  # a service gets these, never constructs them
 
@@ -82,6 +84,16 @@ def test_import_onecard_promises_version_one():
     assert set(dir(onecard)) == set(onecard.__all__)
     for name in onecard.__all__:
         assert getattr(onecard, name) is not None
+
+
+@pytest.mark.parametrize("status", [200, 204, 302, 399, 600, True, "404", 404.0])
+def test_an_error_s_status_is_4xx_or_5xx(status):
+    """onecard.Error(200, ...) answered 200 with the error envelope: a success to every client,
+    and through the jobs API a "succeeded" job whose result was an error (helper-46)."""
+    import onecard
+    with pytest.raises(ValueError, match="4xx or 5xx"):
+        onecard.Error(status, "x", "y")
+    assert onecard.Error(404, "x", "y").status == 404 and onecard.Error(599, "x", "y").status == 599
 
 
 if __name__ == "__main__":
