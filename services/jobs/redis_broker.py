@@ -100,6 +100,9 @@ class RedisBroker(RedisConsuming, Broker):
         self.scripts = {name: (s, self.r.register_script(s.source)) for name, s in lua.SCRIPTS.items()}
         self._next_reclaim: dict[str, float] = {}
         self._cursor: dict[str, str] = {}
+        # (stream, entry) of the runs this unit started and has not ended yet: never taken
+        # over by itself (see RedisConsumer._reclaim)
+        self._running_entries: set[tuple[str, str]] = set()
         self._listen_task: asyncio.Task | None = None
         self._models_cache: tuple[float, dict[str, ModelInfo]] | None = None
 

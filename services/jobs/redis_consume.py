@@ -104,7 +104,11 @@ class RedisConsuming:
         return out
 
     async def _reclaim(self, label: str, count: int) -> list[tuple[str, str, dict]]:
-        """Entries idle past the visibility timeout (their unit died or stalled), taken over."""
+        """Entries idle past the visibility timeout (their unit died or stalled), taken over.
+        Not those this unit still runs: after a Redis outage longer than the timeout (no
+        renewal got through) it took its own running job over, started it again with a new
+        lease and dropped the first run's finished result. Claimed by the same consumer, such
+        an entry is only renewed."""
         now = time.monotonic()
         if now < self._next_reclaim.get(label, 0.0):
             return []
@@ -121,7 +125,8 @@ class RedisConsuming:
                     raise
                 continue
             self._cursor[stream] = _s(cursor)
-            out += [(level, _s(e), f) for e, f in entries if f is not None]
+            out += [(level, _s(e), f) for e, f in entries
+                    if f is not None and (stream, _s(e)) not in self._running_entries]
             if len(out) >= count:
                 break
         if out:
@@ -181,6 +186,7 @@ class RedisConsuming:
                                   **self.job_args(job_id, label)})
                 log.warning("jobs: %s was lost with its unit %d times running alone; dead-lettered", job_id, attempts)
                 continue
+            self._running_entries.add((stream, entry))
             out.append(d)
         return out
 
@@ -193,7 +199,14 @@ class RedisConsuming:
         flags = await self._call("RENEW", {}, {"group": self.group, "consumer": self.consumer},
                                  extra_keys=keys, extra_args=args)
         names = {"1": "cancel", "lost": "lost"}
-        return {d.job_id: names.get(_s(flag), "ok") for d, flag in zip(deliveries, flags, strict=False)}
+        verdicts = {d.job_id: names.get(_s(flag), "ok") for d, flag in zip(deliveries, flags, strict=False)}
+        for d in deliveries:
+            if verdicts.get(d.job_id) == "lost":  # another unit's now
+                self._ended(d)
+        return verdicts
+
+    def _ended(self, d: Delivery) -> None:
+        self._running_entries.discard((self.stream(d.label, d.level), d.entry))
 
     @deadline
     async def mark_solo(self, d: Delivery) -> bool:
@@ -211,6 +224,7 @@ class RedisConsuming:
              "error": json.dumps(outcome.error) if outcome.error else "", "dead_letter": outcome.dead_letter,
              "attempts": d.attempt, "node": self.node, "consumer": self.consumer, "cancel_channel": self.channel,
              **self.budget_args(), **self.job_args(d.job_id, d.label)})
+        self._ended(d)
         return _s(res)
 
     @deadline
@@ -222,6 +236,7 @@ class RedisConsuming:
             {"group": self.group, "entry": d.entry, "lease": d.lease, "error": json.dumps(error) if error else "",
              "action": decision.action, "attempts": decision.attempts, "delay_ms": int(decision.delay_s * 1000),
              "isolate": isolate, "level": d.level, **self.job_args(d.job_id, d.label)})
+        self._ended(d)
         return _s(res)
 
     @deadline

@@ -340,3 +340,28 @@ def test_results_are_streamed_to_many_pollers_that_do_not_read(tmp_path):
         for s in socks:
             s.close()
         u.stop()
+
+
+def test_after_a_redis_outage_longer_than_the_lease_a_unit_keeps_its_own_running_job(tmp_path):
+    """Redis killed while a job runs and back from its AOF past visibility_timeout_s: no renewal
+    got through, so the entry was idle past the timeout, and the unit took its own running
+    job over: it started it again (a second model run) and dropped the first run's result
+    (helper-46). The unit is alive: its run goes on, writes once Redis is back, and is the only one."""
+    log = tmp_path / "journal.log"
+    with RedisServer(tmp_path, aof=True) as server:
+        queue = {"url": server.url, "prefix": "outage", "visibility_timeout_s": 1.0}
+        unit = Unit(tmp_path, "unit", {"scripted": (TARGET_APP, {"model": "m1", "dry_run": True, "journal": str(log)})},
+                    queue=queue)
+        try:
+            start_units(unit)
+            job = unit.submit("scripted", WORK, body={"tag": "kept", "sleep_s": 4.0})
+            unit.wait(job["id"], ("running",))
+            server.kill()
+            time.sleep(2.5)  # past the visibility timeout, with no renewal
+            server.start()
+            done = unit.wait(job["id"], timeout=60)
+            assert done["state"] == "succeeded" and done["runs"] == 1, done
+            assert [t for e, t in journal(log) if e == "started"] == ["kept"], unit.jobs.output()[-4000:]
+            assert "this run's outcome is dropped" not in unit.jobs.output(), unit.jobs.output()[-3000:]
+        finally:
+            unit.stop()
