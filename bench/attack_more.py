@@ -15,6 +15,7 @@ from typing import Any
 
 from bench.attack_net import HOST, b64, concurrently, post_json, request, tally, trickle
 from tests import images as I
+from tests.webp_bombs import vp8l_bomb
 
 Result = dict[str, Any]
 
@@ -163,10 +164,30 @@ def send_and_hang_up(u, ctx) -> Result:
     return {"statuses": {}, "notes": sent}
 
 
+def lossless_webp_groups(u, ctx) -> Result:
+    """8 clients on detect and 8 on img2img's native route, 20 s, each sending a 1024x1024
+    lossless WebP of 300 kB whose 65 536 groups of Huffman codes make libwebp build about
+    360 MiB of tables a decode (helper-45; its 18 MB kind held 1.25 GB and took the unit down)."""
+    data = vp8l_bomb()
+    t_end = time.monotonic() + 20
+    targets = [(u.ports["detect"], "/api/v1/facedetect"), (u.ports["img2img"], "/api/v1/img2img?style=3&format=jpeg")]
+
+    def client(i: int) -> list[dict]:
+        port, path = targets[i % 2]
+        got = []
+        while time.monotonic() < t_end:
+            got.append(request(port, "POST", path, data, {"Content-Type": "image/webp"}, timeout=120,
+                               keep_body=False))
+        return got
+    got = [r for rs in concurrently(client, 16) for r in rs]
+    return {"statuses": tally(got), "notes": {"bytes": len(data), "requests": len(got)}}
+
+
 MORE_ATTACKS = [
     ("B19 endless chunk framing (trailer value, size zeros)", endless_chunk_framing),
     ("B20 probe port connect-and-close churn", probe_port_churn),
     ("B21 big extras upscales (RSS back)", extras_upscales),
     ("B22 16 readers of 500-job listings", listing_readers),
     ("B23 requests sent and hung up on (reset, close)", send_and_hang_up),
+    ("B24 lossless WebP naming 65 536 Huffman groups", lossless_webp_groups),
 ]

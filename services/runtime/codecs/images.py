@@ -33,6 +33,7 @@ from services.runtime.codecs.fresh_bytes import joined
 from services.runtime.codecs.page_release import hand_back_pages
 from services.runtime.codecs.pil_arrays import array_of
 from services.runtime.codecs.png_encode import encode_png
+from services.runtime.codecs.webp_tables import lossless_table_bytes
 from services.runtime.errors import ApiError
 
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP")
@@ -87,8 +88,9 @@ class ImageHeader:
     def decode_pixels(self) -> int:
         """What decoding it holds at its peak, in RGB pixels (the unit of the cost model's
         input pixels): the picture itself, or for an animation (WebP, APNG) the decoder's
-        RGBA canvases besides."""
-        return self.pixels * (ANIMATED_DECODE_FACTOR.get(self.format, 1) if self.animated else 1)
+        RGBA canvases besides, and a lossless WebP's Huffman tables (webp_tables)."""
+        tables = -(-getattr(self, "_decoder_bytes", 0) // 3)
+        return self.pixels * (ANIMATED_DECODE_FACTOR.get(self.format, 1) if self.animated else 1) + tables
 
 
 @dataclass
@@ -146,6 +148,8 @@ def probe_image(data: bytes, limits: DecodeLimits) -> ImageHeader:
     # is the API's), found again there for a header built elsewhere
     object.__setattr__(header, "_unneeded", formats.decoder_skips(png) if png is not None and fmt == "PNG" else ())
     object.__setattr__(header, "_probed", _fingerprint(data))
+    if fmt == "WEBP":  # (as a pixel is counted: 3 bytes of the cost model's input pixels)
+        object.__setattr__(header, "_decoder_bytes", lossless_table_bytes(data, width, height))
     return header
 
 
