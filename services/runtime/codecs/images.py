@@ -88,7 +88,8 @@ class ImageHeader:
     def decode_pixels(self) -> int:
         """What decoding it holds at its peak, in RGB pixels (the unit of the cost model's
         input pixels): the picture itself, or for an animation (WebP, APNG) the decoder's
-        RGBA canvases besides, and a lossless WebP's Huffman tables (webp_tables)."""
+        RGBA canvases besides, a lossless WebP's Huffman tables (webp_tables), a progressive
+        JPEG's coefficients (jpeg.JpegShape.coefficient_bytes)."""
         tables = -(-getattr(self, "_decoder_bytes", 0) // 3)
         return self.pixels * (ANIMATED_DECODE_FACTOR.get(self.format, 1) if self.animated else 1) + tables
 
@@ -150,6 +151,8 @@ def probe_image(data: bytes, limits: DecodeLimits) -> ImageHeader:
     object.__setattr__(header, "_probed", _fingerprint(data))
     if fmt == "WEBP":  # (as a pixel is counted: 3 bytes of the cost model's input pixels)
         object.__setattr__(header, "_decoder_bytes", lossless_table_bytes(data, width, height))
+    elif jpg is not None:
+        object.__setattr__(header, "_decoder_bytes", jpg.coefficient_bytes)
     return header
 
 

@@ -40,6 +40,10 @@ class JpegShape:
     exif: bytes | None = field(default=None, compare=False)
     # (start, end) of the extraneous and fill bytes skipped before the header's end
     junk: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+    # what libjpeg's whole-image coefficient buffer holds, where it keeps one (a progressive
+    # picture, or one whose components come in separate scans): 2 bytes a coefficient for
+    # every block of every component, at full size even when decoded at a reduced scale
+    coefficient_bytes: int = field(default=0, compare=False)
 
 
 class JpegLimitError(Exception):
@@ -56,7 +60,7 @@ def walk(data: bytes, max_scans: int, max_markers: int, header_only: bool = Fals
     if data[:2] != bytes((0xFF, SOI)):  # not a JPEG: nothing to walk
         return JpegShape(0, 0, False)
     pos, scans, markers, progressive = 2, 0, 0, False
-    header_end, tiff, exif, junk = 0, [], None, []
+    header_end, tiff, exif, junk, coefficients = 0, [], None, [], 0
     while pos + 4 <= n:
         if data[pos] != 0xFF or data[pos + 1] == 0x00:
             # Extraneous bytes before a marker (0xFF00 among them): libjpeg skips them (a
@@ -97,6 +101,8 @@ def walk(data: bytes, max_scans: int, max_markers: int, header_only: bool = Fals
             break
         if marker in (0xC2, 0xC6, 0xCA, 0xCE):  # SOF2/6/10/14: progressive
             progressive = True
+        if marker in _SOF and not coefficients:
+            coefficients = _coefficient_bytes(data[pos + 2:pos + length])
         if not header_end:
             for app, tag in _TIFF_BLOCKS:
                 if marker == app and data.startswith(tag, pos + 2):
@@ -115,7 +121,27 @@ def walk(data: bytes, max_scans: int, max_markers: int, header_only: bool = Fals
             if m is None:
                 break
             pos = m.start()
-    return JpegShape(scans, markers, progressive, header_end or n, tuple(tiff), exif, tuple(junk))
+    buffered = progressive or scans > 1
+    return JpegShape(scans, markers, progressive, header_end or n, tuple(tiff), exif, tuple(junk),
+                     coefficients if buffered else 0)
+
+
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # DHT, JPG and DAC share the range
+
+
+def _coefficient_bytes(sof: bytes) -> int:
+    """A frame header's coefficient buffer: each component's blocks, padded to whole MCUs
+    (libjpeg's jdcoefct: width_in_blocks rounded up to the component's sampling factor), 64
+    coefficients of 2 bytes each. 0 for a header too short to say."""
+    if len(sof) < 6:
+        return 0
+    height, width, count = (sof[1] << 8) | sof[2], (sof[3] << 8) | sof[4], sof[5]
+    factors = [(sof[6 + 3 * i + 1] >> 4, sof[6 + 3 * i + 1] & 0x0F) for i in range(count) if 6 + 3 * i + 2 < len(sof)]
+    if not factors or not height or not width:
+        return 0
+    hmax, vmax = max(max(h for h, _ in factors), 1), max(max(v for _, v in factors), 1)
+    mcus_x, mcus_y = -(-width // (8 * hmax)), -(-height // (8 * vmax))
+    return sum(mcus_x * max(h, 1) * mcus_y * max(v, 1) for h, v in factors) * 64 * 2
 
 
 def _fill_end(data: bytes, pos: int) -> int:
