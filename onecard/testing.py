@@ -35,6 +35,8 @@ from typing import Any
 
 import httpx
 
+MARK = "ONECARD_TESTING_SERVICE"  # in the environment of a ServiceProcess and what it starts
+
 __all__ = ["ServiceProcess", "assert_error", "free_port", "picture"]
 
 
@@ -104,7 +106,8 @@ class ServiceProcess:
                     "ONECARD_SERVICE_HOST": "127.0.0.1", "ONECARD_SERVICE_PORT": str(self.port),
                     "ONECARD_SERVICE_CONFIG": json.dumps(settings or {}), "ONECARD_SERVICE_THREADS": str(threads),
                     "OMP_NUM_THREADS": str(threads), "ONECARD_PROBE_SOCKET": self.probe_socket,
-                    "ONECARD_INSTANCE_TOKEN": self.instance, "PYTHONUNBUFFERED": "1", **(env or {})}
+                    "ONECARD_INSTANCE_TOKEN": self.instance, "PYTHONUNBUFFERED": "1", **(env or {}),
+                    MARK: self.instance}
         if path:
             self.env["PYTHONPATH"] = os.pathsep.join(path)
         self.ready_timeout_s = ready_timeout_s
@@ -130,6 +133,7 @@ class ServiceProcess:
 
     def __exit__(self, *exc: Any) -> None:
         self.client.close()
+        left = self._started_processes()
         if self.proc is not None and self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: the group is its tree
@@ -142,9 +146,34 @@ class ServiceProcess:
             except ProcessLookupError:
                 pass
             self.proc.wait()
+        for process in left:  # those that left its session (setsid, a daemon's double fork)
+            try:
+                process.kill()
+            except Exception:  # noqa: BLE001 - gone already, or not ours to kill
+                pass
         if hasattr(self, "_log"):
             self._log.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _started_processes(self) -> list:
+        """What the service started, wherever it went: its descendants now, and any process
+        carrying its mark in the environment (re-parented away from it, in another session)."""
+        import psutil  # (only here: `import onecard` stays cheap)
+        found: dict[int, Any] = {}
+        try:
+            for child in psutil.Process(self.proc.pid).children(recursive=True) if self.proc is not None else ():
+                found[child.pid] = child
+        except psutil.Error:
+            pass
+        for process in psutil.process_iter():
+            if process.pid in found or (self.proc is not None and process.pid == self.proc.pid):
+                continue
+            try:
+                if process.environ().get(MARK) == self.instance:
+                    found[process.pid] = process
+            except psutil.Error:
+                continue
+        return list(found.values())
 
     # ---- requests ----------------------------------------------------------------------------
     def get(self, path: str, **kwargs: Any) -> httpx.Response:

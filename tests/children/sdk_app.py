@@ -8,7 +8,8 @@ raises from decode, "exit" calls sys.exit() in decode, "quit" raises KeyboardInt
 predict. The answer: the picture's mean color and size (JSON), or the picture
 itself with ?answer=image (format from Accept). POST /api/v1/words (text/plain or JSON
 {"text": ...}): a second model route without pictures. GET /record: what the model saw;
-GET /modules?prefix=P: the modules this process has imported under P.
+GET /modules?prefix=P: the modules this process has imported under P. POST /spawn: a sleeper in
+a session of its own.
 POST /notes (JSON): a plain route that reads and parses its body with the Service's helpers.
 Settings: its own `greeting` key besides onecard's.
 """
@@ -125,6 +126,13 @@ class Tint(onecard.Model):
             body = await service.read_body(request)
             doc = await service.run_cpu(service.parse_json, body)
             return {"keys": len(doc) if isinstance(doc, dict) else None}
+
+        @service.app.post("/spawn")
+        async def spawn() -> dict[str, int]:
+            """A process that leaves the service's session and outlives it unless stopped."""
+            import subprocess
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+            return {"pid": child.pid}
 
         @service.app.get("/modules")
         async def modules(prefix: str) -> list[str]:

@@ -7,6 +7,7 @@ with its identity, metrics and Server-Timing, progress in /stats, and the jobs A
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import time
 
 import httpx
@@ -208,6 +209,19 @@ def test_probes_metrics_and_info(svc):
     assert 'onecard_requests_total{route="/api/v1/tint",status="200"}' in metrics
     assert "onecard_batch_size_count" in metrics and 'onecard_stage_seconds_count{route="/api/v1/words"' in metrics
     assert svc.get("/stats").json()["served"] > 0
+
+
+def test_the_test_harness_stops_what_the_service_started_in_another_session():
+    """onecard.testing.ServiceProcess stops its service's process group; a process the service
+    started in a session of its own (setsid, as a daemon does) outlived it (helper-46)."""
+    import psutil
+    with ServiceProcess(APP, SETTINGS, pythonpath=[ROOT]) as s:
+        pid = s.post("/spawn").json()["pid"]
+        assert os.getsid(pid) == pid != os.getsid(s.proc.pid)
+    deadline = time.monotonic() + 5
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the process the service started outlived it"
+        time.sleep(0.05)
 
 
 def test_unknown_settings_keys_stop_the_start(tmp_path):
