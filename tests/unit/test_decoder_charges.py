@@ -19,7 +19,7 @@ from services.runtime.codecs.images import DecodeLimits, probe_image
 from services.runtime.codecs.webp_tables import GROUP_BYTES, lossless_table_bytes
 from tests.harness import ROOT
 from tests.images import astronaut
-from tests.webp_bombs import vp8l_bomb
+from tests.webp_bombs import Bits, all_eight_bit_code, one_symbol_code, vp8l_bomb
 
 LIMITS = DecodeLimits(max_pixels=40_000_000)
 DECODER_SLACK = 4 * 2**20  # a decoder's own buffers and the allocator's pages: in the service's baseline
@@ -51,7 +51,8 @@ def test_a_lossless_part_is_charged_its_most_tables(form):
         data = out.getvalue()
     tables = lossless_table_bytes(data, 512, 512)
     chunk = max(len(c) for c in _lossless_chunks(data))
-    assert tables == min(128 * 128, chunk * 8 // 20 + 1) * GROUP_BYTES > 0
+    # at least what its largest lossless chunk can describe (counted to the end of its frame or file)
+    assert tables >= min(128 * 128, chunk * 8 // 20 + 1) * GROUP_BYTES + 4 * 512 * 512
     assert probe_image(data, LIMITS).decode_pixels >= 512 * 512 + tables // 3
 
 
@@ -120,3 +121,58 @@ def test_a_progressive_jpeg_is_charged_its_coefficients(tmp_path, mode, subsampl
     plain = io.BytesIO()
     Image.fromarray(rgb).save(plain, "JPEG", quality=90)
     assert probe_image(plain.getvalue(), LIMITS).decode_pixels == 2400 * 2400  # one scan: none kept
+
+
+def test_a_chunk_size_that_lies_does_not_shrink_the_charge(tmp_path):
+    """helper-47: the bomb in a VP8L chunk that says 78 bytes, the rest of its stream in what the
+    walk reads as an unknown chunk: charged 648 KiB, decoded by libwebp (to the buffer's end)
+    holding 364 MiB. The stream's bytes are counted to the end of the file."""
+    payload = vp8l_bomb()[20:]
+    size, covered = next((s, struct.unpack_from("<I", payload, s + 4)[0]) for s in range(6, len(payload) - 8, 2)
+                         if payload[s:s + 4] not in (b"VP8L", b"ANMF", b"ALPH")
+                         and len(payload) - s - 8 <= struct.unpack_from("<I", payload, s + 4)[0] <= 8_000_000)
+    rest = payload[size:] + b"\x00" * (8 + covered + (covered & 1) - len(payload[size:]))
+    body = b"VP8L" + struct.pack("<I", size) + payload[:size] + rest
+    lying = b"RIFF" + struct.pack("<I", 4 + len(body)) + b"WEBP" + body
+    charged = probe_image(lying, LIMITS).decode_pixels * 3
+    held = _held_by_opencv(tmp_path, lying)
+    assert held > 64 * 2**20 and charged >= held, (held, charged)
+
+
+def test_a_small_picture_naming_group_999_is_charged_every_group_below_it():
+    """helper-47: libwebp builds every group up to the highest named when it is under 1 000: a
+    32x32 picture (64 cells) naming group 999 held 7.3 MiB where 64 groups were charged."""
+    b = Bits()
+    for value, bits in ((0x2F, 8), (31, 14), (31, 14), (0, 1), (0, 3), (0, 1), (0, 1), (1, 1), (0, 3), (0, 1)):
+        b.put(value, bits)
+    all_eight_bit_code(b, 280)
+    all_eight_bit_code(b, 256)
+    for _ in range(3):
+        one_symbol_code(b)
+    for i in range(64):
+        b.put_msb_first(999 & 0xFF if i == 0 else 0, 8)
+        b.put_msb_first(999 >> 8 if i == 0 else 0, 8)
+    for _ in range(1000 * 5):
+        one_symbol_code(b)
+    payload = b.data()
+    chunk = b"VP8L" + struct.pack("<I", len(payload)) + payload + b"\x00" * (len(payload) % 2)
+    data = b"RIFF" + struct.pack("<I", 4 + len(chunk)) + b"WEBP" + chunk
+    assert lossless_table_bytes(data, 32, 32) >= 1000 * GROUP_BYTES
+
+
+def test_nested_frames_are_walked_without_failing():
+    """helper-47: 1 200 ANMF chunks one inside the other made the walk recurse until
+    RecursionError (a 500). Frames hold no frames: the walk goes one level down."""
+    import cv2
+    ok, enc = cv2.imencode(".webp", np.zeros((1, 1, 3), np.uint8), [cv2.IMWRITE_WEBP_QUALITY, 101])
+    vp8l = enc.tobytes()[12:]
+
+    def chunk(tag: bytes, body: bytes) -> bytes:
+        return tag + struct.pack("<I", len(body)) + body + b"\x00" * (len(body) % 2)
+    inner = b""
+    for _ in range(1200):
+        inner = chunk(b"ANMF", b"\x00" * 16 + vp8l + inner)
+    body = b"WEBP" + chunk(b"VP8X", bytes([0x02, 0, 0, 0]) + b"\x00" * 6) + chunk(b"ANIM", b"\x00" * 6) + inner
+    data = b"RIFF" + struct.pack("<I", len(body)) + body
+    assert lossless_table_bytes(data, 1, 1) > 0
+    probe_image(data, LIMITS)  # answered (a header), not an exception
