@@ -180,6 +180,10 @@ class Broker(abc.ABC):
         """Keep running jobs ours (visibility). Per job id: 'ok', 'cancel' (a cancel was
         requested) or 'lost' (another run holds the job now: stop, write nothing)."""
 
+    def run_ended(self, d: Delivery) -> None:  # noqa: B027 - optional: only a shared queue takes runs over
+        """The consumer is done with this run, however it ended (written, handed back, lost, or
+        given up on): a run this unit no longer runs may be taken over again, by it too."""
+
     @abc.abstractmethod
     async def mark_solo(self, d: Delivery) -> bool:
         """Record that this run is alone on its service (losing it is then charged to it)."""

@@ -253,6 +253,7 @@ class Consumer:
                 trace.end(failure)
             self.metrics.observe("running", time.monotonic() - t0)
             self.running.pop(d.job_id, None)
+            self.broker.run_ended(d)
             self.metrics.in_progress.labels(self.label).dec()
             self.room.give(1)
 

@@ -155,40 +155,54 @@ class RedisConsuming:
     async def take(self, label: str, count: int, block_s: float) -> list[Delivery]:
         await self._promote_due(label)
         entries = await self._reclaim(label, count) or await self._read(label, count, block_s)
-        out = []
-        for level, entry, fields in entries:
-            stream = self.stream(label, level)
-            job_id = _s(fields.get(b"id", b""))
-            if not valid_id(job_id):
-                keys = {"stream": stream, "dead": self.dead_stream(label), "stats": self.stats_key}
-                await self._call("DISCARD", keys,
-                                 {"group": self.group, "entry": entry, "reason": "not a job entry",
-                                  "now": repr(self.clock()), "dead_maxlen": self.settings.dead_letter_maxlen,
-                                  "label": label})
-                log.warning("jobs: discarded a malformed entry %s on %s", entry, stream)
-                continue
-            lease = os.urandom(8).hex()
-            res = await self._call("START", {"stream": stream, **self.job_keys(job_id, label)},
-                                   {"group": self.group, "entry": entry, "node": self.node, "consumer": self.consumer,
-                                    "lease": lease, **self.job_args(job_id, label)})
-            if _s(res[0]) != "run":
-                if _s(res[0]) == "dead":
-                    log.warning("jobs: %s has no body; dead-lettered", job_id)
-                continue
-            attempts = int(_s(res[1]))
-            queued_at = float(_s(res[3])) if res[3] else None
-            d = Delivery(job_id, label, _s(res[2]), res[4], attempts + 1, entry, queued_at, self.clock(), lease, level,
-                         _s(res[5]) == "1", int(_s(res[6])), trace_carrier(*map(_s, res[8:10])))
-            if self.policy.exhausted(attempts):  # its last run was lost with its unit, running alone
-                await self._call("BURY", {"stream": stream, **self.job_keys(job_id, label)},
-                                 {"group": self.group, "entry": entry, "lease": lease, "error": json.dumps(
-                                     {"code": "attempts_exhausted", "message": "no run finished"}),
-                                  **self.job_args(job_id, label)})
-                log.warning("jobs: %s was lost with its unit %d times running alone; dead-lettered", job_id, attempts)
-                continue
-            self._running_entries.add((stream, entry))
-            out.append(d)
+        out: list[Delivery] = []
+        try:
+            for level, entry, fields in entries:
+                d = await self._start(label, level, entry, fields)
+                if d is not None:
+                    self._running_entries.add((self.stream(label, level), entry))
+                    out.append(d)
+        except BaseException:
+            # the runs this batch started are never run here: others (and this unit) take them
+            # over after the visibility timeout, as before there was a set to keep them from it
+            for d in out:
+                self._ended(d)
+            raise
         return out
+
+    async def _start(self, label: str, level: str, entry: str, fields: dict) -> Delivery | None:
+        """One taken entry started as this unit's run (a lease of its own), or None: not a job
+        entry (discarded), not to run (its record says so), or its attempts spent (buried)."""
+        stream = self.stream(label, level)
+        job_id = _s(fields.get(b"id", b""))
+        if not valid_id(job_id):
+            keys = {"stream": stream, "dead": self.dead_stream(label), "stats": self.stats_key}
+            await self._call("DISCARD", keys,
+                             {"group": self.group, "entry": entry, "reason": "not a job entry",
+                              "now": repr(self.clock()), "dead_maxlen": self.settings.dead_letter_maxlen,
+                              "label": label})
+            log.warning("jobs: discarded a malformed entry %s on %s", entry, stream)
+            return None
+        lease = os.urandom(8).hex()
+        res = await self._call("START", {"stream": stream, **self.job_keys(job_id, label)},
+                               {"group": self.group, "entry": entry, "node": self.node, "consumer": self.consumer,
+                                "lease": lease, **self.job_args(job_id, label)})
+        if _s(res[0]) != "run":
+            if _s(res[0]) == "dead":
+                log.warning("jobs: %s has no body; dead-lettered", job_id)
+            return None
+        attempts = int(_s(res[1]))
+        queued_at = float(_s(res[3])) if res[3] else None
+        d = Delivery(job_id, label, _s(res[2]), res[4], attempts + 1, entry, queued_at, self.clock(), lease, level,
+                     _s(res[5]) == "1", int(_s(res[6])), trace_carrier(*map(_s, res[8:10])))
+        if self.policy.exhausted(attempts):  # its last run was lost with its unit, running alone
+            await self._call("BURY", {"stream": stream, **self.job_keys(job_id, label)},
+                             {"group": self.group, "entry": entry, "lease": lease, "error": json.dumps(
+                                 {"code": "attempts_exhausted", "message": "no run finished"}),
+                              **self.job_args(job_id, label)})
+            log.warning("jobs: %s was lost with its unit %d times running alone; dead-lettered", job_id, attempts)
+            return None
+        return d
 
     @deadline
     async def renew(self, label: str, deliveries: list[Delivery]) -> dict[str, str]:
@@ -207,6 +221,9 @@ class RedisConsuming:
 
     def _ended(self, d: Delivery) -> None:
         self._running_entries.discard((self.stream(d.label, d.level), d.entry))
+
+    def run_ended(self, d: Delivery) -> None:
+        self._ended(d)
 
     @deadline
     async def mark_solo(self, d: Delivery) -> bool:

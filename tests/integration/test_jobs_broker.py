@@ -308,3 +308,37 @@ def test_a_jobs_trace_context_is_a_field_of_its_record_and_records_without_one_s
         again = await take_one(b)
         assert (again.job_id, again.attempt, again.trace) == (with_trace.id, 2, traced)
     run(make, scenario)
+
+
+def test_a_take_that_fails_midway_leaves_what_it_started_to_be_taken_over(server):
+    """A batch whose second START fails (Redis gone midway): the first job was started in Redis
+    but is never run here. It must stay open to a takeover after the visibility timeout, by this
+    unit too (helper-47): the set that keeps a unit from taking its own running jobs over had
+    kept it, and on a one-unit deployment the job stayed 'running' for good."""
+    async def scenario():
+        b = RedisBroker(server.url, QueueSettings(prefix=f"b{next(_prefixes)}", visibility_timeout_s=0.5,
+                                                  retry_backoff_s=0), "n1", 10)
+        await b.start()
+        try:
+            jobs = [job(), job()]
+            for j in jobs:
+                await b.submit(j, LABEL)
+            real_call, starts = b._call, []
+
+            async def failing_second_start(name, *args, **kwargs):
+                if name == "START":
+                    starts.append(name)
+                    if len(starts) == 2:
+                        raise ConnectionError("redis went away")
+                return await real_call(name, *args, **kwargs)
+            b._call = failing_second_start
+            with pytest.raises(Exception):  # noqa: B017 - whatever the deadline wrapper makes of it
+                await b.take(LABEL, 2, 0.2)
+            b._call = real_call
+            assert (await b.get(jobs[0].id))["state"] == "running"
+            await asyncio.sleep(1.2)  # past the visibility timeout and a reclaim period
+            again = await b.take(LABEL, 2, 0.2)
+            assert jobs[0].id in {d.job_id for d in again}, again
+        finally:
+            await b.close()
+    asyncio.run(scenario())
