@@ -61,8 +61,9 @@ class RequestLine:
         target = self.target
         scheme, sep, rest = target.partition("://")
         if sep and scheme.lower() in ("http", "https"):
-            target = "/" + rest.partition("/")[2]
-        return target.split("?", 1)[0]
+            cut = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+            target = rest[cut:] if rest[cut:cut + 1] == "/" else "/" + rest[cut:]
+        return target.split("?", 1)[0].split("#", 1)[0]
 
 
 @dataclass(frozen=True)

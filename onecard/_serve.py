@@ -19,6 +19,7 @@ from onecard._model import Call, CallCancelled, CallProgress, Model, Setup
 from onecard._routes import Route, Service, Slot
 from services.runtime.device.threads import planned_threads
 from services.runtime.pipeline.backend import Backend
+from services.runtime.pipeline.contained import contained
 from services.runtime.shell.model_part import ModelPart, model_service_app
 
 
@@ -58,17 +59,18 @@ class ModelBackend(Backend):
                             f"expected a list with one output per item")
         return list(outputs)
 
+    # (these four run on the event loop: a sys.exit() in them would end the service there)
     def item_pixels(self, slot: Slot) -> int:
-        return self.model.item_pixels(slot.item)
+        return contained(self.model.item_pixels, slot.item)
 
     def item_work(self, slot: Slot) -> float:
-        return self.model.item_work(slot.item)
+        return contained(self.model.item_work, slot.item)
 
     def info(self) -> dict[str, Any]:
-        return {"backend": self.name, "device": self.device, **self.model.info()}
+        return {"backend": self.name, "device": self.device, **contained(self.model.info)}
 
     def gpu_memory_bytes(self) -> int | None:
-        return self.model.gpu_memory_bytes()
+        return contained(self.model.gpu_memory_bytes)
 
     def on_out_of_memory(self) -> None:
         self.model.on_out_of_memory()

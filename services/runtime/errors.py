@@ -6,6 +6,8 @@ free of the web framework."""
 
 from __future__ import annotations
 
+import numbers
+
 
 class ApiError(Exception):
     """An error a client gets in the envelope ``{"error": {"code", "message"}}`` (public as
@@ -19,9 +21,10 @@ class ApiError(Exception):
     STATUSES: dict[int, str]  # what each status means in onecard's answers (set below)
 
     def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None):
-        if isinstance(status, bool) or not isinstance(status, int) or not 400 <= status <= 599:
+        if isinstance(status, bool) or not isinstance(status, numbers.Integral) or not 400 <= status <= 599:
             # a 200 carrying the error envelope read as a success (and made a job "succeeded")
             raise ValueError(f"an error's status is 4xx or 5xx, not {status!r}")
+        status = int(status)  # (numpy's integers too)
         super().__init__(message)
         self.status, self.code, self.message, self.headers = status, code, message, headers or {}
 

@@ -5,7 +5,8 @@ POST /api/v1/tint (a picture; params: tag, sleep, mode): the model sleeps `sleep
 (the longest asked), records every call's tags in order, reports progress, stops between
 50 ms steps when every item is cancelled. mode "bad" fails that item alone (422), "boom"
 raises from decode, "exit" calls sys.exit() in decode, "quit" raises KeyboardInterrupt in
-predict. The answer: the picture's mean color and size (JSON), or the picture
+predict, "pixels-exit" calls sys.exit() in item_pixels. The answer: the picture's mean color
+and size (JSON), or the picture
 itself with ?answer=image (format from Accept). POST /api/v1/words (text/plain or JSON
 {"text": ...}): a second model route without pictures. GET /record: what the model saw;
 GET /modules?prefix=P: the modules this process has imported under P. POST /spawn: a sleeper in
@@ -66,6 +67,8 @@ class Tint(onecard.Model):
         return {"tag": p.tag, "rgb": rgb, "sleep": p.sleep, "mode": p.mode}
 
     def item_pixels(self, item: dict) -> int:
+        if item.get("mode") == "pixels-exit":  # (called on the event loop)
+            sys.exit(5)
         return onecard.Model.item_pixels(self, item["rgb"]) if "rgb" in item else 0
 
     def predict(self, items: list[dict], call: onecard.Call) -> list[Any]:

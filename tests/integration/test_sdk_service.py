@@ -84,14 +84,18 @@ def test_an_item_that_fails_fails_alone(svc):
 
 
 def test_a_hook_that_exits_fails_its_request_alone_and_the_service_goes_on(svc):
-    """sys.exit() in decode_request, KeyboardInterrupt in predict (batched with a good item):
-    each was a plain-text 500 and the end of the service, its batch neighbours lost."""
+    """sys.exit() in decode_request, KeyboardInterrupt in predict (batched with a good item),
+    sys.exit() in item_pixels (on the event loop): each was a plain-text 500 (or none) and the
+    end of the service, its batch neighbours lost."""
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         quit_ = pool.submit(tint, svc, "quit-bad", 0.1, "quit")
         good = pool.submit(tint, svc, "quit-good", 0.1)
         exit_ = pool.submit(tint, svc, "exit-bad", 0.0, "exit")
+        pixels = pool.submit(tint, svc, "pixels-bad", 0.0, "pixels-exit")
         for r in (quit_.result(), exit_.result()):
             assert_error(r, 500, "internal_error")
+        # item_pixels runs on the event loop; its figure is only a figure: unknown, and served
+        assert pixels.result().status_code == 200, pixels.result().text
         assert good.result().status_code == 200 and good.result().json()["tag"] == "quit-good"
     assert svc.proc.poll() is None
     assert tint(svc, "after-exit").status_code == 200

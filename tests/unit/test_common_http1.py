@@ -59,7 +59,8 @@ def test_the_request_line():
 
 @pytest.mark.parametrize("target, path", [("http://127.0.0.1:7860/healthz", "/healthz"),
                                           ("HTTP://h/readyz?x=1", "/readyz"), ("http://h", "/"),
-                                          ("/a://b", "/a://b"), ("ftp://h/healthz", "ftp://h/healthz")])
+                                          ("/a://b", "/a://b"), ("ftp://h/healthz", "ftp://h/healthz"),
+                                          ("http://h?x=/healthz", "/"), ("http://h#/healthz", "/")])
 def test_an_absolute_form_target_gives_its_path(target, path):
     assert http1.parse_request_line(f"GET {target} HTTP/1.1\r\n\r\n".encode()).path == path
 

@@ -94,6 +94,8 @@ def test_an_error_s_status_is_4xx_or_5xx(status):
     with pytest.raises(ValueError, match="4xx or 5xx"):
         onecard.Error(status, "x", "y")
     assert onecard.Error(404, "x", "y").status == 404 and onecard.Error(599, "x", "y").status == 599
+    import numpy as np
+    assert type(onecard.Error(np.int64(404), "x", "y").status) is int
 
 
 if __name__ == "__main__":

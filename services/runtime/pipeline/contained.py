@@ -25,4 +25,4 @@ def contained(fn: Callable, *args: Any) -> Any:
         raise
     except BaseException as exc:  # noqa: BLE001 - on a worker thread, never the process's end
         name = getattr(fn, "__qualname__", None) or type(fn).__name__
-        raise HookExit(f"{name} raised {type(exc).__name__}({exc!s:.200})") from None
+        raise HookExit(f"{name} raised {type(exc).__name__}({exc!s:.200})") from exc  # (where it was called)
