@@ -33,6 +33,7 @@ from services.runtime.codecs.fresh_bytes import joined
 from services.runtime.codecs.page_release import hand_back_pages
 from services.runtime.codecs.pil_arrays import array_of
 from services.runtime.codecs.png_encode import encode_png
+from services.runtime.codecs.webp_header import WebpHeaderError, is_webp, read_header
 from services.runtime.codecs.webp_tables import lossless_table_bytes
 from services.runtime.errors import ApiError
 
@@ -122,24 +123,30 @@ def probe_image(data: bytes, limits: DecodeLimits) -> ImageHeader:
             source = formats.header_for_pillow(data, png)
     except (jpeg.JpegLimitError, formats.FormatLimitError) as exc:
         raise ApiError(413, "image_too_complex", f"{exc}: decoding it would cost too much") from None
-    try:
-        im = Image.open(io.BytesIO(source), formats=ALLOWED_FORMATS)
-    except UnidentifiedImageError:
-        if _looks_allowed(data):  # the right magic bytes, broken inside
-            raise ApiError(400, "corrupt_image", "the image header is corrupt") from None
-        raise ApiError(415, "unsupported_image", f"not an image in one of {', '.join(ALLOWED_FORMATS)}") from None
-    except Exception as exc:  # noqa: BLE001 - any decoder failure is the caller's bad data
-        raise ApiError(400, "corrupt_image", f"cannot read the image header: {exc}") from None
-    with im:
-        width, height = im.size
-        if width <= 0 or height <= 0:
-            raise ApiError(400, "corrupt_image", "the image has no pixels")
-        if width * height > limits.max_pixels:
-            raise ApiError(413, "too_many_pixels",
-                           f"{width}x{height} = {width * height} pixels is over the limit of {limits.max_pixels}")
-        orientation = _orientation(im, png, jpg)
-        fmt = im.format or ""
-        animated = _animated(data, fmt, png)
+    if is_webp(data):  # read here: Pillow would copy the whole file twice, holding the GIL
+        try:
+            webp = read_header(data)
+        except WebpHeaderError as exc:
+            raise ApiError(400, "corrupt_image", f"the image header is corrupt: {exc}") from None
+        fmt, width, height, animated = "WEBP", webp.width, webp.height, webp.animated
+        _check_pixels(width, height, limits)
+        orientation = _orientation_of(webp.exif, webp.xmp, png=False)
+    else:
+        try:
+            im = Image.open(io.BytesIO(source), formats=ALLOWED_FORMATS)
+        except UnidentifiedImageError:
+            if _looks_allowed(data):  # the right magic bytes, broken inside
+                raise ApiError(400, "corrupt_image", "the image header is corrupt") from None
+            raise ApiError(415, "unsupported_image",
+                           f"not an image in one of {', '.join(ALLOWED_FORMATS)}") from None
+        except Exception as exc:  # noqa: BLE001 - any decoder failure is the caller's bad data
+            raise ApiError(400, "corrupt_image", f"cannot read the image header: {exc}") from None
+        with im:
+            width, height = im.size
+            _check_pixels(width, height, limits)
+            orientation = _orientation(im, png, jpg)
+            fmt = im.format or ""
+            animated = _animated(data, fmt, png)
     if orientation not in range(1, 9):
         orientation = 1
     if orientation in (5, 6, 7, 8):
@@ -165,10 +172,16 @@ def _fingerprint(data: bytes) -> tuple[int, bytes, bytes]:
 def _animated(data: bytes, fmt: str, png: formats.PngShape | None) -> bool:
     """Marked as an animation, however many frames it has: a one-frame animation is composed
     on its full canvas all the same (a 94-byte WebP of 6324x6324 held 419 MiB to decode).
-    WebP: the VP8X header's animation flag; PNG: an acTL chunk."""
-    if fmt == "WEBP":
-        return data[12:16] == b"VP8X" and len(data) > 20 and bool(data[20] & 0x02)
+    PNG: an acTL chunk (WebP: the VP8X header's animation flag, webp_header)."""
     return fmt == "PNG" and png is not None and png.animated
+
+
+def _check_pixels(width: int, height: int, limits: DecodeLimits) -> None:
+    if width <= 0 or height <= 0:
+        raise ApiError(400, "corrupt_image", "the image has no pixels")
+    if width * height > limits.max_pixels:
+        raise ApiError(413, "too_many_pixels",
+                       f"{width}x{height} = {width * height} pixels is over the limit of {limits.max_pixels}")
 
 
 def _orientation(im: Image.Image, png: formats.PngShape | None, jpg: jpeg.JpegShape | None) -> int:
@@ -183,11 +196,15 @@ def _orientation(im: Image.Image, png: formats.PngShape | None, jpg: jpeg.JpegSh
         raw = jpg.exif
     else:
         raw = im.info.get("exif")
+    return _orientation_of(raw, im.info.get("xmp"), png=png is not None)
+
+
+def _orientation_of(raw: object, xmp: object, png: bool) -> int:
     if raw is not None and (not isinstance(raw, bytes) or len(raw) > MAX_EXIF_BYTES):
         return 1
     found = exif.orientation_entry(raw)
-    if found is None and png is None:
-        return exif.xmp_orientation(im.info.get("xmp"))
+    if found is None and not png:
+        return exif.xmp_orientation(xmp if isinstance(xmp, bytes) else None)
     return found or 1
 
 
