@@ -17,6 +17,7 @@ from PIL import Image
 
 from services.runtime.codecs.images import DecodeLimits, probe_image
 from services.runtime.codecs.webp_tables import GROUP_BYTES, lossless_table_bytes
+from services.runtime.errors import ApiError
 from tests.harness import ROOT
 from tests.images import astronaut
 from tests.webp_bombs import Bits, all_eight_bit_code, one_symbol_code, vp8l_bomb
@@ -176,3 +177,57 @@ def test_nested_frames_are_walked_without_failing():
     data = b"RIFF" + struct.pack("<I", len(body)) + body
     assert lossless_table_bytes(data, 1, 1) > 0
     probe_image(data, LIMITS)  # answered (a header), not an exception
+
+
+def _segment(marker: int, body: bytes) -> bytes:
+    return bytes([0xFF, marker]) + struct.pack(">H", len(body) + 2) + body
+
+
+def test_a_jpeg_whose_one_scan_carries_one_component_of_three_is_charged_them_all(tmp_path):
+    """helper-48: 166 bytes, arithmetic-coded, one scan naming the first of three components:
+    libjpeg kept every component's coefficients, charged the pixels alone (a 4-component one
+    at 40 MP: 305 MiB held, 114 charged)."""
+    side = 2048
+    frame = bytes([8]) + struct.pack(">HH", side, side) + bytes([3]) + b"".join(bytes([i, 0x11, 0]) for i in (1, 2, 3))
+    data = (b"\xff\xd8" + _segment(0xDB, bytes([0]) + bytes([1] * 64)) + _segment(0xC9, frame)
+            + _segment(0xDA, bytes([1, 1, 0, 0, 63, 0])) + b"\x00" * 64 + b"\xff\xd9")
+    header = probe_image(data, LIMITS)
+    charged = header.decode_pixels * 3
+    assert charged == 3 * side * side + 3 * 2 * side * side
+    held = _held_by_opencv(tmp_path, data)
+    assert 3 * side * side * 2 < held <= charged + DECODER_SLACK, (held, charged)
+
+
+def test_webp_chunks_past_the_limit_are_refused_and_past_the_riff_are_not_looked_at():
+    """helper-48: 2.5 million empty chunks after a 1x1 picture held 78 MiB in libwebp's demuxer
+    (413 now); stray bytes after a lossy picture (past its RIFF end) made it a lossless bomb."""
+    from services.runtime.codecs.webp_header import MAX_CHUNKS
+    lossy = webp(astronaut(), quality=80)
+    many = lossy + b"JUNK\x00\x00\x00\x00" * (MAX_CHUNKS + 1)
+    many = many[:4] + struct.pack("<I", len(many) - 8) + many[8:]
+    with pytest.raises(ApiError) as err:
+        probe_image(many, LIMITS)
+    assert (err.value.status, err.value.code) == (413, "image_too_complex")
+    assert probe_image(lossy + b"\xde\xad" * 8, LIMITS).decode_pixels == 512 * 512
+
+
+def test_a_webp_that_opencv_cannot_decode_is_a_400_without_pillow(monkeypatch):
+    """A header this reader sizes but OpenCV refuses went to Pillow's plugin, which copied the
+    whole file twice holding the GIL; both are libwebp, so the answer is the same 400."""
+    from PIL import WebPImagePlugin
+
+    from services.runtime.codecs.images import decode_probed
+
+    opened = []
+    real_open = WebPImagePlugin.WebPImageFile._open
+
+    def recorded(self):
+        opened.append(1)
+        return real_open(self)
+    monkeypatch.setattr(WebPImagePlugin.WebPImageFile, "_open", recorded)
+    broken = bytearray(webp(astronaut(), lossless=True))
+    broken[30:] = bytes(len(broken) - 30)  # the header stands, the stream is zeros
+    header = probe_image(bytes(broken), LIMITS)
+    with pytest.raises(ApiError) as err:
+        decode_probed(bytes(broken), header)
+    assert (err.value.status, err.value.code) == (400, "corrupt_image") and not opened

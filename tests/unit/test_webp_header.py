@@ -74,3 +74,14 @@ def test_a_broken_header_is_a_400(body):
     with pytest.raises(ApiError) as err:
         probe_image(data, LIMITS)
     assert (err.value.status, err.value.code) == (400, "corrupt_image")
+
+
+def test_metadata_counts_only_where_vp8x_says_so():
+    """helper-48: an EXIF chunk whose VP8X flag is clear, or one past the RIFF's end, is none to
+    libwebp and Pillow; read anyway, it turned the picture (orientation 6)."""
+    data = bytearray(kinds()["exif and xmp"])
+    assert data[12:16] == b"VP8X" and probe_image(bytes(data), LIMITS).orientation == 6
+    data[20] &= ~0x08 & 0xFF
+    with Image.open(io.BytesIO(bytes(data))) as im:
+        assert im.getexif().get(0x0112) is None
+    assert probe_image(bytes(data), LIMITS).orientation == 1

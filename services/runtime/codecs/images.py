@@ -33,7 +33,7 @@ from services.runtime.codecs.fresh_bytes import joined
 from services.runtime.codecs.page_release import hand_back_pages
 from services.runtime.codecs.pil_arrays import array_of
 from services.runtime.codecs.png_encode import encode_png
-from services.runtime.codecs.webp_header import WebpHeaderError, is_webp, read_header
+from services.runtime.codecs.webp_header import WebpHeaderError, WebpLimitError, is_webp, read_header
 from services.runtime.codecs.webp_tables import lossless_table_bytes
 from services.runtime.errors import ApiError
 
@@ -128,6 +128,8 @@ def probe_image(data: bytes, limits: DecodeLimits) -> ImageHeader:
             webp = read_header(data)
         except WebpHeaderError as exc:
             raise ApiError(400, "corrupt_image", f"the image header is corrupt: {exc}") from None
+        except WebpLimitError as exc:
+            raise ApiError(413, "image_too_complex", f"{exc}: decoding it would cost too much") from None
         fmt, width, height, animated = "WEBP", webp.width, webp.height, webp.animated
         _check_pixels(width, height, limits)
         orientation = _orientation_of(webp.exif, webp.xmp, png=False)
@@ -270,6 +272,8 @@ def decode_probed(data: bytes, header: ImageHeader, max_side: int | None = None)
             rgb = _orient(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB), header.orientation)
         elif formats.bmp_compression(data):  # Pillow's RLE decoder is pure Python: no second try
             raise ApiError(400, "corrupt_image", "cannot decode the BMP image")
+        elif header.format == "WEBP":  # both are libwebp; Pillow's plugin copies the file twice holding the GIL
+            raise ApiError(400, "corrupt_image", "cannot decode the WebP image")
         elif header.pixels > PILLOW_FALLBACK_MAX_PIXELS:
             raise ApiError(400, "corrupt_image", "cannot decode the image: it is broken, or a variant only the "
                            f"fallback decoder reads, which takes pictures of at most {PILLOW_FALLBACK_MAX_PIXELS} "

@@ -61,6 +61,7 @@ def walk(data: bytes, max_scans: int, max_markers: int, header_only: bool = Fals
         return JpegShape(0, 0, False)
     pos, scans, markers, progressive = 2, 0, 0, False
     header_end, tiff, exif, junk, coefficients = 0, [], None, [], 0
+    frame_components = first_scan_components = 0
     while pos + 4 <= n:
         if data[pos] != 0xFF or data[pos + 1] == 0x00:
             # Extraneous bytes before a marker (0xFF00 among them): libjpeg skips them (a
@@ -103,6 +104,9 @@ def walk(data: bytes, max_scans: int, max_markers: int, header_only: bool = Fals
             progressive = True
         if marker in _SOF and not coefficients:
             coefficients = _coefficient_bytes(data[pos + 2:pos + length])
+            frame_components = data[pos + 7] if pos + 7 < n else 0
+        if marker == SOS and not first_scan_components and pos + 2 < n:
+            first_scan_components = data[pos + 2]
         if not header_end:
             for app, tag in _TIFF_BLOCKS:
                 if marker == app and data.startswith(tag, pos + 2):
@@ -121,7 +125,10 @@ def walk(data: bytes, max_scans: int, max_markers: int, header_only: bool = Fals
             if m is None:
                 break
             pos = m.start()
-    buffered = progressive or scans > 1
+    # libjpeg keeps the whole image's coefficients for a progressive picture and for one whose
+    # first scan does not carry every component (the others come in later scans: a single scan
+    # of one component of three, 166 bytes arithmetic-coded, held them all)
+    buffered = progressive or scans > 1 or first_scan_components < frame_components
     return JpegShape(scans, markers, progressive, header_end or n, tuple(tiff), exif, tuple(junk),
                      coefficients if buffered else 0)
 

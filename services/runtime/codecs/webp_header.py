@@ -14,7 +14,10 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-MAX_CHUNKS = 4096  # metadata after this many chunks is not looked for
+# more chunks than this (an animation's frames among them) is refused: libwebp's demuxer, which
+# OpenCV runs on every WebP, keeps about 32 bytes for each (2.5 million empty chunks in 19 MB
+# held 78 MiB for a picture of one pixel)
+MAX_CHUNKS = 4096
 # metadata is read up to this much and one byte more: a bigger block is not looked into (its
 # readers refuse it by its size), and is never copied whole
 MAX_METADATA_BYTES = 1 << 20
@@ -22,6 +25,10 @@ MAX_METADATA_BYTES = 1 << 20
 
 class WebpHeaderError(ValueError):
     """Not a WebP this reader can size."""
+
+
+class WebpLimitError(ValueError):
+    """A WebP whose structure would cost too much to decode."""
 
 
 @dataclass(frozen=True)
@@ -40,27 +47,30 @@ def is_webp(data: bytes) -> bool:
 def read_header(data: bytes) -> WebpHeader:
     if len(data) < 20 or not is_webp(data):
         raise WebpHeaderError("not a WebP file")
+    # libwebp reads no chunk past the RIFF's own end (what follows is not the picture's)
+    end = min(len(data), 8 + struct.unpack_from("<I", data, 4)[0])
     fourcc, size = data[12:16], struct.unpack_from("<I", data, 16)[0]
     body = data[20:20 + min(size, 16)]  # (a slice copies: only the frame header's bytes)
+    flags = body[0] if fourcc == b"VP8X" and body else 0
+    exif, xmp, image = _chunks(data, 12, end, flags)
     if fourcc == b"VP8 ":
         if len(body) < 10 or body[3:6] != b"\x9d\x01\x2a":
             raise WebpHeaderError("the lossy frame header is corrupt")
         width, height = (struct.unpack_from("<H", body, 6)[0] & 0x3FFF, struct.unpack_from("<H", body, 8)[0] & 0x3FFF)
-        return _sized(width, height, False, None, None)
+        return _sized(width, height, False, exif, xmp)
     if fourcc == b"VP8L":
         if len(body) < 5 or body[0] != 0x2F:
             raise WebpHeaderError("the lossless header is corrupt")
         bits = struct.unpack_from("<I", body, 1)[0]
-        return _sized((bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1, False, None, None)
+        return _sized((bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1, False, exif, xmp)
     if fourcc == b"VP8X":
         if len(body) < 10:
             raise WebpHeaderError("the extended header is corrupt")
         width = int.from_bytes(body[4:7], "little") + 1
         height = int.from_bytes(body[7:10], "little") + 1
-        exif, xmp, image = _metadata(data, 20 + size + (size & 1))
         if not image:
             raise WebpHeaderError("no image in the file")
-        return _sized(width, height, bool(body[0] & 0x02), exif, xmp)
+        return _sized(width, height, bool(flags & 0x02), exif, xmp)
     raise WebpHeaderError(f"unknown first chunk {fourcc!r}")
 
 
@@ -70,18 +80,22 @@ def _sized(width: int, height: int, animated: bool, exif: bytes | None, xmp: byt
     return WebpHeader(width, height, animated, exif, xmp)
 
 
-def _metadata(data: bytes, at: int) -> tuple[bytes | None, bytes | None, bool]:
-    """The first EXIF and XMP chunks after VP8X, and whether an image chunk follows."""
+def _chunks(data: bytes, at: int, end: int, flags: int) -> tuple[bytes | None, bytes | None, bool]:
+    """The first EXIF and XMP chunks (only where VP8X's flags say the file has them, as libwebp
+    and Pillow read them; a simple file has none), and whether an image chunk is there.
+    WebpLimitError past MAX_CHUNKS chunks."""
     exif = xmp = None
     image = False
-    for _ in range(MAX_CHUNKS):
-        if at + 8 > len(data):
-            break
+    count = 0
+    while at + 8 <= end:
+        count += 1
+        if count > MAX_CHUNKS:
+            raise WebpLimitError(f"WebP chunks: more than {MAX_CHUNKS}")
         fourcc, size = data[at:at + 4], struct.unpack_from("<I", data, at + 4)[0]
         kept = at + 8 + min(size, MAX_METADATA_BYTES + 1)
-        if fourcc == b"EXIF" and exif is None:
+        if fourcc == b"EXIF" and exif is None and flags & 0x08:
             exif = bytes(data[at + 8:kept])
-        elif fourcc == b"XMP " and xmp is None:
+        elif fourcc == b"XMP " and xmp is None and flags & 0x04:
             xmp = bytes(data[at + 8:kept])
         elif fourcc in (b"VP8 ", b"VP8L", b"ANMF"):
             image = True

@@ -32,9 +32,9 @@ def lossless_table_bytes(data: bytes, width: int, height: int) -> int:
     Huffman tables and its ARGB buffer (0 for a lossy picture without lossless alpha). An
     animation's frames are decoded one by one, each with its own tables: the largest lossless
     part bounds them."""
-    largest = _largest_lossless(data)
+    largest, alpha = _largest_lossless(data)
     if not largest:
-        return 0
+        return width * height if alpha else 0  # an uncompressed alpha plane: a byte a pixel
     cells = -(-width // CELL_SIDE) * -(-height // CELL_SIDE)
     # below ALL_GROUPS_UNDER, every group up to the highest index is built, however few cells
     named = max(cells, min(ALL_GROUPS_UNDER, width * height))
@@ -42,18 +42,22 @@ def lossless_table_bytes(data: bytes, width: int, height: int) -> int:
     return groups * GROUP_BYTES + ARGB_BYTES * width * height
 
 
-def _largest_lossless(data: bytes) -> int:
-    """The bytes of the largest lossless part: a top-level VP8L or ALPH chunk counts to the end
-    of the file (a still picture's lossless stream is read to the end of the buffer, whatever
-    its chunk's size says), an animation frame's to the end of its frame. The whole file for a
-    walk that does not add up (charged as lossless: the safe side)."""
+def _largest_lossless(data: bytes) -> tuple[int, bool]:
+    """The bytes of the largest lossless part, and whether the picture has an alpha chunk. A
+    top-level VP8L or ALPH chunk counts to the end of the file (a still picture's lossless
+    stream is read to the end of the buffer, whatever its chunk's size says), an animation
+    frame's to the end of its frame; chunks are looked for up to the RIFF's end, as libwebp
+    does (stray bytes after a lossy picture made it a lossless bomb). The whole file for a walk
+    that does not add up (charged as lossless: the safe side)."""
     try:
-        return _walk(data, 12, len(data), top=True)
+        alpha = [False]
+        end = min(len(data), 8 + struct.unpack_from("<I", data, 4)[0])  # libwebp reads no chunk past it
+        return _walk(data, 12, end, True, alpha), alpha[0]
     except Exception:  # noqa: BLE001 - any surprise in the walk: the most it could be
-        return len(data)
+        return len(data), True
 
 
-def _walk(data: bytes, at: int, end: int, top: bool) -> int:
+def _walk(data: bytes, at: int, end: int, top: bool, alpha: list[bool]) -> int:
     largest, seen = 0, 0
     while at + 8 <= end:
         fourcc, size = data[at:at + 4], struct.unpack_from("<I", data, at + 4)[0]
@@ -61,9 +65,11 @@ def _walk(data: bytes, at: int, end: int, top: bool) -> int:
         seen += 1
         if seen > MAX_CHUNKS or body + size > end + 1:  # (a last chunk's pad byte may be missing)
             return len(data)
+        if fourcc == b"ALPH":
+            alpha[0] = True
         if fourcc == b"VP8L" or (fourcc == b"ALPH" and size and data[body] & 0x03 == 1):
             largest = max(largest, (len(data) if top else end) - body)
         elif fourcc == b"ANMF" and top:  # (frames hold no frames)
-            largest = max(largest, _walk(data, body + 16, body + size, top=False))
+            largest = max(largest, _walk(data, body + 16, body + size, False, alpha))
         at = body + size + (size & 1)
     return largest
