@@ -164,11 +164,14 @@ def send_and_hang_up(u, ctx) -> Result:
     return {"statuses": {}, "notes": sent}
 
 
-def lossless_webp_groups(u, ctx) -> Result:
+def lossless_webp_groups(u, ctx, padded_to: int = 0) -> Result:
     """8 clients on detect and 8 on img2img's native route, 20 s, each sending a 1024x1024
     lossless WebP of 300 kB whose 65 536 groups of Huffman codes make libwebp build about
     360 MiB of tables a decode (helper-45; its 18 MB kind held 1.25 GB and took the unit down)."""
     data = vp8l_bomb()
+    if padded_to:  # a chunk of nothing after the picture: the file as big as the body limit allows
+        pad = b"JUNK" + struct.pack("<I", padded_to - len(data) - 8) + bytes(padded_to - len(data) - 8)
+        data = b"RIFF" + struct.pack("<I", len(data) - 8 + len(pad)) + data[8:] + pad
     t_end = time.monotonic() + 20
     targets = [(u.ports["detect"], "/api/v1/facedetect"), (u.ports["img2img"], "/api/v1/img2img?style=3&format=jpeg")]
 
@@ -183,6 +186,12 @@ def lossless_webp_groups(u, ctx) -> Result:
     return {"statuses": tally(got), "notes": {"bytes": len(data), "requests": len(got)}}
 
 
+def big_lossless_webp_resent(u, ctx) -> Result:
+    """The same picture padded to 18 MB, resent the moment it is refused: Pillow's WebP probe
+    copied each whole file twice holding the GIL (detect's /healthz p99 178-293 ms)."""
+    return lossless_webp_groups(u, ctx, padded_to=18 * 10**6)
+
+
 MORE_ATTACKS = [
     ("B19 endless chunk framing (trailer value, size zeros)", endless_chunk_framing),
     ("B20 probe port connect-and-close churn", probe_port_churn),
@@ -190,4 +199,5 @@ MORE_ATTACKS = [
     ("B22 16 readers of 500-job listings", listing_readers),
     ("B23 requests sent and hung up on (reset, close)", send_and_hang_up),
     ("B24 lossless WebP naming 65 536 Huffman groups", lossless_webp_groups),
+    ("B25 18 MB lossless WebP resent after each 413", big_lossless_webp_resent),
 ]

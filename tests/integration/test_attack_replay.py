@@ -28,6 +28,7 @@ import pytest
 from tests import images as I
 from tests.harness import ROOT, SupervisorRun, free_port
 from tests.memory_cgroup import memory_cgroup
+from tests.webp_bombs import vp8l_bomb
 
 GIB, MIB = 2**30, 2**20
 LIMIT = 4 * GIB
@@ -257,7 +258,9 @@ def test_decoders_without_a_bound_are_refused_or_bounded(unit):
              ("RLE4 BMP 1500 px", I.rle4_bmp(1500, 1500), "image/bmp", {"detect": {200}}),
              ("animated WebP, 2000 frames", I.webp_animation((2000, 2000), 2000), "image/webp", {"detect": {200}}),
              ("40 MP WebP of one colour", I.flat_webp(6324, 6324), "image/webp", {"detect": {200, 413}}),
-             ("40 MP JPEG of one colour", I.flat_jpeg(6324, 6324), "image/jpeg", {"detect": {200, 413}})]
+             ("40 MP JPEG of one colour", I.flat_jpeg(6324, 6324), "image/jpeg", {"detect": {200, 413}}),
+             # 300 kB that libwebp decodes into 360 MiB of Huffman tables, charged what it may name
+             ("lossless WebP naming 65 536 groups", vp8l_bomb(), "image/webp", {"detect": {413}})]
     for what, data, ctype, want in cases:
         for name, ok in want.items():
             s, body = post(unit.ports[name], paths[name], data, ctype)
