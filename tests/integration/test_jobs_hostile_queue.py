@@ -108,6 +108,7 @@ def test_redis_that_hangs_while_a_result_is_sent_ends_the_answer_short_without_a
     finally:
         srv.resume()
         u.stop()
+        srv.stop()  # (its own: every process a test starts, it stops)
 
 
 def test_redis_that_hangs_gives_503_quickly_and_a_bounded_pool(tmp_path):
@@ -152,6 +153,7 @@ def test_redis_that_hangs_gives_503_quickly_and_a_bounded_pool(tmp_path):
     finally:
         srv.resume()
         u.stop()
+        srv.stop()  # (its own: every process a test starts, it stops)
         srv.stop()
 
 
