@@ -10,7 +10,7 @@ and size (JSON), or the picture
 itself with ?answer=image (format from Accept). POST /api/v1/words (text/plain or JSON
 {"text": ...}): a second model route without pictures. GET /record: what the model saw;
 GET /modules?prefix=P: the modules this process has imported under P. POST /spawn: a sleeper in
-a session of its own.
+a session of its own. POST /hoard?mib=N: N MiB kept for good (a leak).
 POST /notes (JSON): a plain route that reads and parses its body with the Service's helpers.
 Settings: its own `greeting` key besides onecard's.
 """
@@ -129,6 +129,14 @@ class Tint(onecard.Model):
             body = await service.read_body(request)
             doc = await service.run_cpu(service.parse_json, body)
             return {"keys": len(doc) if isinstance(doc, dict) else None}
+
+        hoard: list[bytearray] = []
+
+        @service.app.post("/hoard")
+        async def hoard_memory(mib: int) -> dict[str, int]:
+            """Memory kept for good, as a leaking model keeps it (touched: resident)."""
+            hoard.append(bytearray(b"\x01") * (mib * 2**20))
+            return {"kept_mib": sum(len(b) for b in hoard) // 2**20}
 
         @service.app.post("/spawn")
         async def spawn() -> dict[str, int]:

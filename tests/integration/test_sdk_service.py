@@ -228,6 +228,20 @@ def test_the_test_harness_stops_what_the_service_started_in_another_session():
         time.sleep(0.05)
 
 
+def test_memory_kept_past_the_budget_is_said_in_the_log_stats_and_metrics():
+    """helper-46: a model that kept memory grew far past its budget with no line anywhere."""
+    with ServiceProcess(APP, {**SETTINGS, "memory_budget_bytes": 400 * 2**20}, pythonpath=[ROOT]) as s:
+        assert s.get("/stats").json()["memory"]["over_budget"] is False
+        assert s.post("/hoard", params={"mib": 450}).status_code == 200
+        deadline = time.monotonic() + 20
+        while not s.get("/stats").json()["memory"]["over_budget"]:
+            assert time.monotonic() < deadline, s.get("/stats").json()["memory"]
+            time.sleep(0.2)
+        assert "onecard_memory_over_budget 1.0" in s.get("/metrics").text
+        assert "over this service's budget of 400 MiB" in s.output()
+        assert tint(s, "still-served").status_code == 200 and s.get("/healthz").status_code == 200
+
+
 def test_unknown_settings_keys_stop_the_start(tmp_path):
     with pytest.raises(AssertionError, match="exited 78"):
         with ServiceProcess(APP, {"greeting": "hi", "no_such_key": 1}, pythonpath=[ROOT], ready_timeout_s=60):

@@ -33,6 +33,9 @@ class PipelineMetrics:
                                    "The service's memory budgets: service, call (one model call), held (admitted "
                                    "requests together), request (one request).", ["budget"], registry=r)
         self.memory_held = Gauge("onecard_memory_held_bytes", "Memory admitted requests hold now.", registry=r)
+        self.memory_over_budget = Gauge("onecard_memory_over_budget",
+                                        "1 while the service's resident memory is over its service budget.",
+                                        registry=r)
         self._ledger = None  # the cost model's HeldMemory, once planned: its counts are read at each scrape
         r.register(_LedgerCounts(self))
         self.queue_depth = Gauge("onecard_queue_depth", "Admitted requests not yet on the model.", registry=r)

@@ -30,6 +30,7 @@ from services.runtime.pipeline.warmup import warm_up
 from services.runtime.shell import model_info
 from services.runtime.shell.app import ServiceShell
 from services.runtime.shell.heap import freeze_startup_heap
+from services.runtime.shell.memory_watch import MemoryWatch
 from services.runtime.shell.part import ServicePart
 
 log = logging.getLogger("onecard.service")
@@ -55,6 +56,7 @@ class ModelPart(ServicePart):
         self.warmup_inferences = 0
         self.frozen_objects = 0
         self.static_info: dict[str, Any] = {}
+        self.memory_watch: MemoryWatch | None = None
 
     @property
     def scheduler(self) -> Scheduler | None:
@@ -91,6 +93,10 @@ class ModelPart(ServicePart):
         scheduler.limit_batch(warm.max_batch)
         self.warmup_s = time.perf_counter() - t1
         await pipeline.cpu.run(self._plan_budgets)
+        self.memory_watch = MemoryWatch(self.name, lambda: scheduler.cost.budgets.service_bytes
+                                        if scheduler.cost.budgets is not None else None,
+                                        self.metrics.memory_over_budget)
+        self.memory_watch.start()
         self.frozen_objects = await pipeline.cpu.run(freeze_startup_heap)  # before ready: it holds the GIL
         self.static_info = await pipeline.cpu.run(model_info.static_info, self)
         scheduler.start()
@@ -102,6 +108,8 @@ class ModelPart(ServicePart):
     async def stop(self) -> None:
         pipeline = self.pipeline
         pipeline.ready = False
+        if self.memory_watch is not None:
+            await self.memory_watch.stop()
         if pipeline.scheduler is not None:
             await pipeline.scheduler.stop()
         pipeline.cpu.shutdown()
@@ -162,6 +170,7 @@ class ModelPart(ServicePart):
             "dry_runs": self.metrics.dry_runs,
             "batching": sched.batching_stats() if sched else None,
             "call": self.backend.progress(),
+            "memory": self.memory_watch.snapshot() if self.memory_watch is not None else None,
         }
 
     def _gpu_memory(self) -> int | None:
