@@ -105,7 +105,7 @@ class DecodedImage:
 
 
 def _looks_allowed(data: bytes) -> bool:
-    return data.startswith(_SIGNATURES) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP")
+    return data.startswith(_SIGNATURES) or is_webp(data)
 
 
 def probe_image(data: bytes, limits: DecodeLimits) -> ImageHeader:

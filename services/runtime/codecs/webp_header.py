@@ -12,6 +12,7 @@ first EXIF and XMP chunks: microseconds, whatever the file's size. What it does 
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 # more chunks than this (an animation's frames among them) is refused: libwebp's demuxer, which
@@ -44,11 +45,25 @@ def is_webp(data: bytes) -> bool:
     return data[:4] == b"RIFF" and data[8:12] == b"WEBP"
 
 
+def riff_end(data: bytes) -> int:
+    """Where the file's chunks end: libwebp reads none past the RIFF's own end (what follows
+    is not the picture's)."""
+    return min(len(data), 8 + struct.unpack_from("<I", data, 4)[0])
+
+
+def iter_chunks(data: bytes, at: int, end: int) -> Iterator[tuple[bytes, int, int]]:
+    """(fourcc, where its body starts, its size) of each chunk from `at` to `end`, stepping
+    over the pad byte of an odd size. A size is as the file says: the caller checks it."""
+    while at + 8 <= end:
+        fourcc, size = data[at:at + 4], struct.unpack_from("<I", data, at + 4)[0]
+        yield fourcc, at + 8, size
+        at += 8 + size + (size & 1)
+
+
 def read_header(data: bytes) -> WebpHeader:
     if len(data) < 20 or not is_webp(data):
         raise WebpHeaderError("not a WebP file")
-    # libwebp reads no chunk past the RIFF's own end (what follows is not the picture's)
-    end = min(len(data), 8 + struct.unpack_from("<I", data, 4)[0])
+    end = riff_end(data)
     fourcc, size = data[12:16], struct.unpack_from("<I", data, 16)[0]
     body = data[20:20 + min(size, 16)]  # (a slice copies: only the frame header's bytes)
     flags = body[0] if fourcc == b"VP8X" and body else 0
@@ -86,18 +101,14 @@ def _chunks(data: bytes, at: int, end: int, flags: int) -> tuple[bytes | None, b
     WebpLimitError past MAX_CHUNKS chunks."""
     exif = xmp = None
     image = False
-    count = 0
-    while at + 8 <= end:
-        count += 1
+    for count, (fourcc, body, size) in enumerate(iter_chunks(data, at, end), 1):
         if count > MAX_CHUNKS:
             raise WebpLimitError(f"WebP chunks: more than {MAX_CHUNKS}")
-        fourcc, size = data[at:at + 4], struct.unpack_from("<I", data, at + 4)[0]
-        kept = at + 8 + min(size, MAX_METADATA_BYTES + 1)
+        kept = body + min(size, MAX_METADATA_BYTES + 1)
         if fourcc == b"EXIF" and exif is None and flags & 0x08:
-            exif = bytes(data[at + 8:kept])
+            exif = bytes(data[body:kept])
         elif fourcc == b"XMP " and xmp is None and flags & 0x04:
-            xmp = bytes(data[at + 8:kept])
+            xmp = bytes(data[body:kept])
         elif fourcc in (b"VP8 ", b"VP8L", b"ANMF"):
             image = True
-        at += 8 + size + (size & 1)
     return exif, xmp, image

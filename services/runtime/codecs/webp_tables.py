@@ -16,7 +16,7 @@ bomb in a chunk of 78 bytes): its bytes are counted from the chunk to the file's
 
 from __future__ import annotations
 
-import struct
+from services.runtime.codecs.webp_header import MAX_CHUNKS, iter_chunks, riff_end
 
 GROUP_BYTES = 5004 * 4 + 568  # kTableSize at colour cache bits 11 (HuffmanCode: 4 bytes), HTreeGroup
 MAX_GROUPS = 1 << 16        # a meta code is the entropy image's red and green: 16 bits
@@ -24,7 +24,6 @@ ALL_GROUPS_UNDER = 1000     # libwebp builds every group up to the highest one n
 MIN_GROUP_BITS = 20         # five codes, each at least 4 bits
 CELL_SIDE = 4               # the entropy image's finest cell (huffman bits 2)
 ARGB_BYTES = 4              # the lossless decoder's own ARGB buffer, a pixel
-MAX_CHUNKS = 4096           # a walk longer than this is taken for lossless (the charge is the bound)
 
 
 def lossless_table_bytes(data: bytes, width: int, height: int) -> int:
@@ -51,19 +50,17 @@ def _largest_lossless(data: bytes) -> tuple[int, bool]:
     that does not add up (charged as lossless: the safe side)."""
     try:
         alpha = [False]
-        end = min(len(data), 8 + struct.unpack_from("<I", data, 4)[0])  # libwebp reads no chunk past it
-        return _walk(data, 12, end, True, alpha), alpha[0]
+        return _walk(data, 12, riff_end(data), True, alpha), alpha[0]
     except Exception:  # noqa: BLE001 - any surprise in the walk: the most it could be
         return len(data), True
 
 
 def _walk(data: bytes, at: int, end: int, top: bool, alpha: list[bool]) -> int:
-    largest, seen = 0, 0
-    while at + 8 <= end:
-        fourcc, size = data[at:at + 4], struct.unpack_from("<I", data, at + 4)[0]
-        body = at + 8
-        seen += 1
-        if seen > MAX_CHUNKS or body + size > end + 1:  # (a last chunk's pad byte may be missing)
+    largest = 0
+    for seen, (fourcc, body, size) in enumerate(iter_chunks(data, at, end), 1):
+        # (past MAX_CHUNKS, here a frame's own chunks: the most it could be; a last chunk's pad
+        # byte may be missing)
+        if seen > MAX_CHUNKS or body + size > end + 1:
             return len(data)
         if fourcc == b"ALPH":
             alpha[0] = True
@@ -71,5 +68,4 @@ def _walk(data: bytes, at: int, end: int, top: bool, alpha: list[bool]) -> int:
             largest = max(largest, (len(data) if top else end) - body)
         elif fourcc == b"ANMF" and top:  # (frames hold no frames)
             largest = max(largest, _walk(data, body + 16, body + size, False, alpha))
-        at = body + size + (size & 1)
     return largest
