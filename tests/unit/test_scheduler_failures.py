@@ -47,31 +47,38 @@ def test_a_bad_item_fails_alone_and_a_raising_batch_is_retried_item_by_item():
     assert freed == 1  # the out-of-memory batch freed memory once
 
 
-def test_a_failing_batch_of_plain_payloads_is_retried_one_by_one():
+def _held_batch(infer, payloads: tuple[str, ...]):
+    """`payloads` run as one batch (queued behind p0's held call) on a backend whose call is
+    `infer`: (every call's items, in order; p0's result and each payload's, or its exception)."""
     async def main():
         sched, backend = scheduler()
         calls, gate, entered = [], threading.Event(), threading.Event()
 
-        def infer(items):
+        def held(items):
             calls.append(list(items))
             entered.set()
             gate.wait(5)
-            if len(items) > 1:
-                raise RuntimeError("a bad batch")
-            return [f"out:{i}" for i in items]
-        backend.infer_batch = infer
+            return infer(items)
+        backend.infer_batch = held
         try:
             blocker = asyncio.ensure_future(sched.submit(["p0"], None, Timing(), None))
             await until(entered.is_set)
-            tasks = [asyncio.ensure_future(sched.submit([p], None, Timing(), None)) for p in ("p1", "p2")]
-            await until(lambda: sched.pending_items == 2)
+            tasks = [asyncio.ensure_future(sched.submit([p], None, Timing(), None)) for p in payloads]
+            await until(lambda: sched.pending_items == len(payloads))
         finally:
             gate.set()
-        results = await asyncio.gather(blocker, *tasks)
+        results = await asyncio.gather(blocker, *tasks, return_exceptions=True)
         await sched.stop()
         return calls, results
+    return run(main())
 
-    calls, results = run(main())
+
+def test_a_failing_batch_of_plain_payloads_is_retried_one_by_one():
+    def infer(items):
+        if len(items) > 1:
+            raise RuntimeError("a bad batch")
+        return [f"out:{i}" for i in items]
+    calls, results = _held_batch(infer, ("p1", "p2"))
     assert calls == [["p0"], ["p1", "p2"], ["p1"], ["p2"]] and results == [["out:p0"], ["out:p1"], ["out:p2"]]
 
 
@@ -285,36 +292,11 @@ def test_memory_is_freed_after_out_of_memory_with_the_failed_call_s_buffers_alre
     assert (err.status, err.code) == (503, "out_of_memory") and seen["held_when_freed"] is False
 
 
-def _batch_of_three(infer):
-    """p1-p3 run as one batch (queued behind p0's held call) on a backend whose call is `infer`."""
-    async def main():
-        sched, backend = scheduler()
-        calls, gate, entered = [], threading.Event(), threading.Event()
-
-        def held(items):
-            calls.append(list(items))
-            entered.set()
-            gate.wait(5)
-            return infer(items)
-        backend.infer_batch = held
-        try:
-            blocker = asyncio.ensure_future(sched.submit(["p0"], None, Timing(), None))
-            await until(entered.is_set)
-            tasks = [asyncio.ensure_future(sched.submit([p], None, Timing(), None)) for p in ("p1", "p2", "p3")]
-            await until(lambda: sched.pending_items == 3)
-        finally:
-            gate.set()
-        results = await asyncio.gather(blocker, *tasks, return_exceptions=True)
-        await sched.stop()
-        return calls, results
-    return run(main())
-
-
 def test_a_backend_with_one_result_too_many_gives_no_item_another_s_answer():
     """Retried one by one after the batch's wrong count, each call again answered one too many:
     its first was taken for the item's own (helper-46: three of four batched requests got 200
     with another output)."""
-    calls, results = _batch_of_three(lambda items: ["extra"] + [f"out:{i}" for i in items])
+    calls, results = _held_batch(lambda items: ["extra"] + [f"out:{i}" for i in items], ("p1", "p2", "p3"))
     assert calls[1:] == [["p1", "p2", "p3"], ["p1"], ["p2"], ["p3"]]
     assert all(isinstance(r, RuntimeError) and "2 results for 1 item" in str(r) for r in results[1:]), results
 
@@ -327,7 +309,7 @@ def test_a_model_that_exits_fails_its_item_alone_and_the_service_goes_on(exit_wi
         if "p2" in items:
             raise exit_with
         return [f"out:{i}" for i in items]
-    calls, results = _batch_of_three(infer)
+    calls, results = _held_batch(infer, ("p1", "p2", "p3"))
     assert calls[1:] == [["p1", "p2", "p3"], ["p1"], ["p2"], ["p3"]]
     assert results[1] == ["out:p1"] and results[3] == ["out:p3"]
     assert type(results[2]).__name__ == "HookExit" and type(exit_with).__name__ in str(results[2]), results
