@@ -80,7 +80,8 @@ class QueueSettings(_Strict):
     max_finished_jobs: int = Field(100_000, ge=1, le=100_000_000, description="embedded queue: finished jobs "
                                    "kept in memory; beyond, the oldest finished are forgotten before results_ttl_s")
     max_results_bytes: int = Field(2**30, ge=1024, le=2**40, description="embedded queue: bytes of results kept "
-                                   "in memory; beyond, the oldest finished jobs are forgotten (left at the default, "
+                                   "in memory, each finished job's record counted with its result (12 KiB); beyond, "
+                                   "the oldest finished jobs are forgotten (left at the default, "
                                    "sized with max_queued_bytes from the service's memory budget)")
     max_queued_bytes: int = Field(2**30, ge=1024, le=2**40, description="embedded queue: bytes of the bodies of "
                                   "queued and running jobs; a submit beyond gets 503 queue_full (left at the default, "

@@ -342,3 +342,26 @@ def test_a_take_that_fails_midway_leaves_what_it_started_to_be_taken_over(server
         finally:
             await b.close()
     asyncio.run(scenario())
+
+
+def test_finished_jobs_are_counted_with_their_records_against_the_results_bound():
+    """helper-49: thousands of small finished jobs were charged their ~100-byte results alone and
+    kept 12 kB each (92 MiB for 7 598; max_finished_jobs let 100 000 hold 1.2 GB). Each is now
+    counted with its record, and the oldest are forgotten past max_results_bytes."""
+    from services.jobs.memory_broker import RECORD_BYTES
+
+    async def scenario():
+        b = MemoryBroker(QueueSettings(prefix="rec", max_results_bytes=10 * RECORD_BYTES + 4096,
+                                       max_finished_jobs=100_000), "n1", 100)
+        await b.start()
+        ids = []
+        for _ in range(30):
+            j = job()
+            ids.append(j.id)
+            await b.submit(j, LABEL)
+            d = await take_one(b)
+            assert await b.finish(d, Outcome("succeeded", b"[]", "application/json", 200)) == "ok"
+        assert len(b.finished) == 10 and b.results_bytes <= 10 * RECORD_BYTES + 4096
+        assert await b.get(ids[0]) is None and (await b.get(ids[-1]))["state"] == "succeeded"
+        await b.close()
+    asyncio.run(scenario())
