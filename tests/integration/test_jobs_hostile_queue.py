@@ -30,7 +30,7 @@ MAX_RESULT = 200_000
 def test_the_embedded_queue_evicts_its_oldest_finished_jobs(tmp_path):
     u = Unit(tmp_path, "small", targets={"scripted": (TARGET_APP, {"model": "m1"})},
              target_settings={"scripted": {"max_in_flight": 1}},
-             queue={"max_finished_jobs": 3, "max_results_bytes": 100_000, "max_queued_bytes": 100_000},
+             queue={"max_finished_jobs": 3, "max_results_bytes": 110_000, "max_queued_bytes": 100_000},
              max_result_bytes=50_000)
     try:
         start_units(u)
@@ -40,7 +40,8 @@ def test_the_embedded_queue_evicts_its_oldest_finished_jobs(tmp_path):
             assert u.wait(ids[-1])["state"] == "succeeded"
         seen = [u.api.get(f"/v1/jobs/{i}").status_code for i in ids]
         assert seen == [404, 404, 200, 200, 200], seen
-        # by bytes: three results of 40 kB do not fit in 100 kB; the oldest goes
+        # by bytes: three results of 40 kB, each with its 12 KiB record, do not fit in 110 kB (two do);
+        # the oldest goes
         big = []
         for i in range(3):
             big.append(u.submit("scripted", WORK, params={"tag": f"b{i}", "pad": 40_000})["id"])
