@@ -44,6 +44,7 @@ class EchoParams(Params):
     cancellable: Bool = False
     decode_sleep: Float = 0.0
     stated: Bool = True   # False: the hook states no cost and reads only the header (the items' cost is charged)
+    max_side: Int = 0     # the item's long side (request.image(max_side=)): its cost is that size's
 
 
 @dataclass(eq=False)
@@ -141,7 +142,7 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
         request = onecard.Request(raw, cfg, ("image",), EchoParams)  # the input forms, as every service reads them
         p = request.params()
         if p.stated:
-            request.image()
+            request.image(max_side=p.max_side or None)
         header = request.image_header()
         if p.mode == "boom":
             raise KeyError("unexpected")

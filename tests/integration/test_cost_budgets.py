@@ -77,12 +77,14 @@ def test_a_json_body_is_charged_what_parsing_copies_out_of_it(tmp_path):
     and is refused as JSON, with the figures, before it is parsed."""
     import base64
     import json
-    picture = noisy_png_bytes(940, 940)       # 2.6 MB, 2.6 MB decoded (and as much as the item): 8 MB in all
+    # 2.4 MB; decoding holds it twice (7.3 MB in all with its body, the item at 64 px): as JSON,
+    # 3.2 MB of body, as much of string and the 2.4 MB picture are 8.9 MB before its decode
+    picture = noisy_png_bytes(900, 900)
     with ServiceProcess(APP, {"max_request_bytes": 8 * 2**20, "batching": True}, tmp_path) as svc:
-        raw = post(svc, "?id=raw", body=picture)
+        raw = post(svc, "?id=raw&max_side=64", body=picture)
         assert raw.status_code == 200, raw.text
         doc = json.dumps({"image": base64.b64encode(picture).decode()}).encode()
-        as_json = post(svc, "?id=json", body=doc, headers={"content-type": "application/json"})
+        as_json = post(svc, "?id=json&max_side=64", body=doc, headers={"content-type": "application/json"})
         assert as_json.status_code == 413 and as_json.json()["error"]["code"] == "too_costly", as_json.text
         assert "once its body is parsed" in as_json.json()["error"]["message"]
         small = json.dumps({"image": base64.b64encode(small_png()).decode()}).encode()

@@ -88,11 +88,15 @@ class ImageHeader:
     @property
     def decode_pixels(self) -> int:
         """What decoding it holds at its peak, in RGB pixels (the unit of the cost model's
-        input pixels): the picture itself, or for an animation (WebP, APNG) the decoder's
-        RGBA canvases besides, a lossless WebP's Huffman tables (webp_tables), a progressive
-        JPEG's coefficients (jpeg.JpegShape.coefficient_bytes)."""
-        tables = -(-getattr(self, "_decoder_bytes", 0) // 3)
-        return self.pixels * (ANIMATED_DECODE_FACTOR.get(self.format, 1) if self.animated else 1) + tables
+        input pixels): the picture, and besides it whichever is more of a second copy of it
+        (OpenCV hands its result to Python as a copy, and an EXIF turn copies it again) and
+        the decoder's own buffers, freed before that copy: an animation's (WebP, APNG) RGBA
+        canvases, a lossless WebP's Huffman tables (webp_tables), a progressive JPEG's
+        coefficients (jpeg.JpegShape.coefficient_bytes). A 2400x2400 JPEG held 6.0 bytes a
+        pixel where 3 were charged."""
+        canvases = self.pixels * (ANIMATED_DECODE_FACTOR.get(self.format, 1) - 1 if self.animated else 0)
+        own = canvases + -(-getattr(self, "_decoder_bytes", 0) // 3)
+        return self.pixels + max(self.pixels, own)
 
 
 @dataclass
@@ -269,7 +273,8 @@ def decode_probed(data: bytes, header: ImageHeader, max_side: int | None = None)
     try:
         bgr = cv2.imdecode(np.frombuffer(data, np.uint8), flags)
         if bgr is not None:
-            rgb = _orient(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB), header.orientation)
+            # in place: a second picture-sized array would be held beside the first
+            rgb = _orient(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB, dst=bgr), header.orientation)
         elif formats.bmp_compression(data):  # Pillow's RLE decoder is pure Python: no second try
             raise ApiError(400, "corrupt_image", "cannot decode the BMP image")
         elif header.format == "WEBP":  # both are libwebp; Pillow's plugin copies the file twice holding the GIL
