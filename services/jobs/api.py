@@ -138,7 +138,7 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
         job = NewJob(new_id(), req.service, req.route, label, body, request_digest(req.service, req.route, label, sha),
                      idem, time.time(), req.priority, min(reserve, settings.max_result_bytes), trace)
         try:
-            sub = await svc.broker.submit(job, label)
+            sub = await svc.room.submit(lambda: svc.broker.submit(job, label))
         except JobTooLarge as exc:
             raise ApiError(413, "job_too_large", str(exc)) from None
         except QueueFull as exc:

@@ -73,6 +73,8 @@ class JobsPart(ServicePart):
                      "streams": streams, "stages": svc.stages(), "counts": dict(counts),
                      "submits": {"held_bytes": svc.submits.used, "waiting": svc.submits.waiting,
                                  "waited": svc.submits.waited, "refused": svc.submits.refused},
+                     "queue_room": {"waiting": svc.room.waiting, "waited": svc.room.waited,
+                                    "refused": svc.room.refused},
                      "long_polls_waiting": svc.polls_waiting},
         }
 

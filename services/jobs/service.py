@@ -20,6 +20,7 @@ from services.jobs.memory_broker import MemoryBroker
 from services.jobs.metrics import STAGES, JobsMetrics
 from services.jobs.payload import Digest, Limits, SubmitRequest, digest_submit
 from services.jobs.policy import RetryPolicy
+from services.jobs.queue_room import QueueRoom
 from services.jobs.records import TERMINAL
 from services.jobs.registry import Registry
 from services.jobs.settings import JobsSettings
@@ -74,6 +75,7 @@ class JobsService:
         self._helper_threads = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="onecard-jobs-helper",
                                                                     initializer=lower_priority)
         self.submits = SubmitBudget(settings.submit_memory_bytes, settings.retry_after_s, settings.submit_wait_s)
+        self.room = QueueRoom(settings.queue_wait_s)
         self.result_streams = 0
         self.registry = Registry(self.broker, lambda: [t.model_info() for t in self.targets if t.label],
                                  self.metrics, settings.queue.announce_period_s)

@@ -84,8 +84,8 @@ class QueueSettings(_Strict):
                                    "the oldest finished jobs are forgotten (left at the default, "
                                    "sized with max_queued_bytes from the service's memory budget)")
     max_queued_bytes: int = Field(2**30, ge=1024, le=2**40, description="embedded queue: bytes of the bodies of "
-                                  "queued and running jobs; a submit beyond gets 503 queue_full (left at the default, "
-                                  "sized from the service's memory budget)")
+                                  "queued and running jobs; a submit beyond waits for room (queue_wait_s), then "
+                                  "gets 503 queue_full (left at the default, sized from the service's memory budget)")
     retry_backoff_s: float = Field(1.0, ge=0, le=3600, allow_inf_nan=False, description="a failed attempt is "
                                    "retried after this, doubled at each attempt (0: at once)")
     retry_backoff_max_s: float = Field(60.0, ge=0, le=86400, allow_inf_nan=False,
@@ -183,7 +183,8 @@ class JobsSettings(ServiceSettings):
                                 "max_image_bytes picture in base64 and 1.3 MiB of the rest)")
     max_image_bytes: int = Field(20 * 2**20, ge=1024, description="a decoded image over this gets 413")
     max_pixels: int = Field(40_000_000, ge=1, description="an image over this many pixels (from its header) gets 413")
-    max_queued_jobs: int = Field(10_000, ge=1, description="queued jobs per model beyond this get 503")
+    max_queued_jobs: int = Field(10_000, ge=1, description="queued jobs per model; a submit "
+                                 "beyond waits for room (queue_wait_s), then gets 503 queue_full")
     run_timeout_s: float = Field(900.0, gt=0, le=86400, description="one run on the local service, at most")
     backpressure_requeue_s: float = Field(30.0, gt=0, le=3600, description="a job the local service keeps "
                                           "refusing with 503 goes back on the queue after this")
@@ -211,6 +212,10 @@ class JobsSettings(ServiceSettings):
     submit_wait_s: float = Field(30.0, ge=0, le=600, allow_inf_nan=False, description="longest a submit waits "
                                  "for room in submit_memory_bytes (first come, first served); then 503 busy "
                                  "(0: 503 at once)")
+    queue_wait_s: float = Field(30.0, ge=0, le=600, allow_inf_nan=False, description="longest a submit waits "
+                                "for room in the queue (max_queued_jobs, max_queued_bytes, a Redis at its maxmemory) "
+                                "once its body is read, in line (first come, first served); then 503 queue_full "
+                                "(0: 503 at once)")
     max_result_streams: int = Field(64, ge=1, le=100_000, description="job results sent at once; beyond, 503 busy")
     result_send_timeout_s: float = Field(30.0, gt=0, le=3600, allow_inf_nan=False, description="a client that "
                                          "reads no part of a result for this long is cut off")

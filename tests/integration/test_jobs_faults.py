@@ -281,7 +281,7 @@ def test_a_full_redis_never_leaves_an_accepted_job_queued(tmp_path):
         admin.config_set("maxmemory", 30 * 2**20)
         u = Unit(tmp_path, "full", {"scripted": (TARGET_APP, {"model": "m1", "dry_run": True, "cost": True,
                                                       "max_body_bytes": 8 * 2**20})},
-                 queue={"url": srv.url, "prefix": "mm"}, max_body_bytes=8 * 2**20)
+                 queue={"url": srv.url, "prefix": "mm"}, max_body_bytes=8 * 2**20, queue_wait_s=0.5)
         try:
             start_units(u)
             codes, accepted = [], []

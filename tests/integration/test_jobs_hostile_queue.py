@@ -31,7 +31,7 @@ def test_the_embedded_queue_evicts_its_oldest_finished_jobs(tmp_path):
     u = Unit(tmp_path, "small", targets={"scripted": (TARGET_APP, {"model": "m1"})},
              target_settings={"scripted": {"max_in_flight": 1}},
              queue={"max_finished_jobs": 3, "max_results_bytes": 110_000, "max_queued_bytes": 100_000},
-             max_result_bytes=50_000)
+             max_result_bytes=50_000, queue_wait_s=1)
     try:
         start_units(u)
         ids = []
@@ -49,16 +49,59 @@ def test_the_embedded_queue_evicts_its_oldest_finished_jobs(tmp_path):
         seen = [u.api.get(f"/v1/jobs/{i}", params={"result": "false"}).status_code for i in big]
         assert seen == [404, 200, 200], seen
         assert u.api.get(f"/v1/jobs/{big[2]}/result").status_code == 200
-        # the bodies of waiting jobs: one runs for a while, three of 30 kB wait, a fourth does not fit
-        held = [u.submit("scripted", WORK, params={"tag": "hold", "sleep_s": 2})["id"]]
+        # the bodies of waiting jobs: one runs for a while, three of 30 kB wait, a fourth does not
+        # fit: it waits queue_wait_s for room, then 503
+        held = [u.submit("scripted", WORK, params={"tag": "hold", "sleep_s": 4})["id"]]
         held += [u.submit("scripted", WORK, params={"tag": f"q{i}", "p": "x" * 30_000})["id"] for i in range(3)]
+        sent = time.monotonic()
         r = u.api.post("/v1/jobs", json={"service": "scripted", "route": WORK, "params": {"p": "x" * 30_000}})
         assert r.status_code == 503 and r.headers["retry-after"], r.text
         assert error_of(r)["code"] == "queue_full" and "max_queued_bytes" in error_of(r)["message"]
+        assert "queue_wait_s" in error_of(r)["message"] and time.monotonic() - sent >= 0.9
         assert u.wait(held[-1])["state"] == "succeeded"  # the last to run (the first are evicted by now)
         room = u.submit("scripted", WORK, params={"tag": "room", "p": "x" * 30_000})
         assert u.wait(room["id"])["state"] == "succeeded"
     finally:
+        u.stop()
+
+
+def test_a_submit_that_finds_the_queue_full_waits_its_turn_for_room(tmp_path):
+    """helper-49: 12 sessions sending 12-16 MB jobs one after the other got 16 503s in 20 s from
+    a queue that frees room as jobs run. A submit with no room waits in line (queue_wait_s) and
+    is accepted once there is; a newcomer that would fit goes behind it, not ahead."""
+    u = Unit(tmp_path, "wait", targets={"scripted": (TARGET_APP, {"model": "m1"})},
+             target_settings={"scripted": {"max_in_flight": 1}},
+             queue={"max_queued_bytes": 100_000}, queue_wait_s=20)
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    try:
+        start_units(u)
+        hold = u.submit("scripted", WORK, params={"tag": "hold", "sleep_s": 2.5})["id"]
+        u.wait(hold, states={"running"})
+        queued = [u.submit("scripted", WORK, params={"tag": f"q{i}", "p": "x" * 30_000})["id"] for i in range(3)]
+
+        def post(params: dict) -> tuple[httpx.Response, float]:
+            with httpx.Client(base_url=u.jobs.url, timeout=60, trust_env=False) as c:
+                sent = time.monotonic()
+                r = c.post("/v1/jobs", json={"service": "scripted", "route": WORK, "params": params})
+                return r, time.monotonic() - sent
+
+        big = pool.submit(post, {"tag": "big", "p": "x" * 30_000})  # no room until a job ends
+        deadline = time.monotonic() + 10
+        while u.api.get("/stats").json()["jobs"]["queue_room"]["waiting"] < 1:
+            assert time.monotonic() < deadline and not big.done(), big.result()[0].text if big.done() else ""
+            time.sleep(0.05)
+        small = pool.submit(post, {"tag": "small"})  # would fit now: it must not overtake
+        (r_big, t_big), (r_small, t_small) = big.result(), small.result()
+        assert r_big.status_code == 202 and r_small.status_code == 202, (r_big.text, r_small.text)
+        assert t_big >= 1.5, t_big  # it waited for the first job to end
+        assert t_small >= 1.0, t_small  # it waited behind the big one, though it fitted
+        assert u.api.get(f"/v1/jobs/{hold}").json()["state"] == "succeeded"
+        for job_id in (*queued, r_big.json()["id"], r_small.json()["id"]):
+            assert u.wait(job_id)["state"] == "succeeded"
+        room = u.api.get("/stats").json()["jobs"]["queue_room"]
+        assert room == {"waiting": 0, "waited": 2, "refused": 0}, room
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
         u.stop()
 
 
@@ -165,7 +208,7 @@ def test_a_full_redis_refuses_submits_with_503_and_the_unit_goes_on(tmp_path):
 
     srv = RedisServer(tmp_path)
     u = Unit(tmp_path, "full", targets={"scripted": (TARGET_APP, {"model": "m1"})},
-             queue={"url": srv.url, "prefix": "full", "op_timeout_s": 2.0})
+             queue={"url": srv.url, "prefix": "full", "op_timeout_s": 2.0}, queue_wait_s=0.5)
     admin = None
     try:
         srv.start()
