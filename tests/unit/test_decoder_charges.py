@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from services.runtime.codecs.images import DecodeLimits, probe_image
-from services.runtime.codecs.webp_tables import GROUP_BYTES, lossless_table_bytes
+from services.runtime.codecs.webp_tables import GROUP_BYTES, lossless_table_bytes, most_groups
 from services.runtime.errors import ApiError
 from tests.harness import ROOT
 from tests.images import astronaut
@@ -39,22 +39,37 @@ def test_a_lossy_picture_is_charged_its_pixels_only():
 
 
 @pytest.mark.parametrize("form", ["lossless", "lossy with alpha", "animated lossless"])
-def test_a_lossless_part_is_charged_its_most_tables(form):
-    rgb = astronaut()
+def test_an_ordinary_lossless_part_is_charged_the_groups_its_entropy_image_names(tmp_path, form):
+    """helper-50: charging every lossless part the most its size allows (65 536 groups, 1.3 GB,
+    from a megapixel up) refused every lossless photo of 1 MP or more with 413. Its groups are
+    read from its entropy image (tens for a photo), and the charge still covers the decode."""
+    side = 1200
+    rgb = np.asarray(Image.fromarray(astronaut()).resize((side, side)))
     if form == "lossless":
         data = webp(rgb, lossless=True)
     elif form == "lossy with alpha":
-        data = webp(np.dstack([rgb, np.full(rgb.shape[:2], 128, np.uint8)]), quality=80)
+        alpha = np.asarray(Image.fromarray(rgb).convert("L"))
+        data = webp(np.dstack([rgb, alpha]), quality=80)
     else:
         out = io.BytesIO()
         frames = [Image.fromarray(rgb), Image.fromarray(rgb[::-1].copy())]
         frames[0].save(out, "WEBP", save_all=True, append_images=frames[1:], lossless=True)
         data = out.getvalue()
-    tables = lossless_table_bytes(data, 512, 512)
-    chunk = max(len(c) for c in _lossless_chunks(data))
-    # at least what its largest lossless chunk can describe (counted to the end of its frame or file)
-    assert tables >= min(128 * 128, chunk * 8 // 20 + 1) * GROUP_BYTES + 4 * 512 * 512
-    assert probe_image(data, LIMITS).decode_pixels >= 512 * 512 + tables // 3
+    assert _lossless_chunks(data)
+    tables = lossless_table_bytes(data, side, side)
+    assert 4 * side * side + GROUP_BYTES <= tables <= 4 * side * side + 200 * GROUP_BYTES, tables
+    charged = probe_image(data, LIMITS).decode_pixels * 3
+    held = _held_by_opencv(tmp_path, data)
+    assert held <= charged + DECODER_SLACK, (held, charged)
+
+
+def test_a_lossless_stream_that_cannot_be_followed_is_charged_the_most_it_may_name():
+    data = webp(astronaut(), lossless=True)
+    at = data.find(b"VP8L") + 8
+    cut = data[:at + 12]  # inside its transforms' sub-images
+    cut = cut[:4] + struct.pack("<I", len(cut) - 8) + cut[8:12] + b"VP8L" + struct.pack("<I", 12) + cut[at:]
+    assert lossless_table_bytes(cut, 512, 512) == most_groups(512, 512, 12) * GROUP_BYTES + 4 * 512 * 512
+    assert most_groups(512, 512, 12) == 5  # 96 bits describe 5 groups at most
 
 
 def _lossless_chunks(data: bytes) -> list[bytes]:
