@@ -113,7 +113,9 @@ class Unit:
         self.node = node
         self.targets = {name: Proc(name, app, settings, tmp) for name, (app, settings) in targets.items()}
         tables = {n: {"url": p.url, **(target_settings or {}).get(n, {})} for n, p in self.targets.items()}
-        settings = {"node_name": node, "targets": tables, **jobs_settings}
+        # the embedded queue's results in the test's own directory (a killed unit leaves them)
+        queue = {"results_dir": str(tmp), **jobs_settings.pop("queue", {})}
+        settings = {"node_name": node, "targets": tables, "queue": queue, **jobs_settings}
         self.jobs = Proc("jobs", JOBS_APP, settings, tmp)
         self.api = httpx.Client(base_url=self.jobs.url, timeout=30, trust_env=False)
 

@@ -41,6 +41,7 @@ from services.jobs.records import (
     error_doc,
     trace_carrier,
 )
+from services.jobs.result_spool import ResultSpool
 from services.jobs.settings import QueueSettings
 
 CURSOR_RE = re.compile(r"([0-9]+):[0-9a-f]{32}")
@@ -90,7 +91,7 @@ class MemoryBroker(Broker):
         self.jobs: dict[str, dict[str, str]] = {}
         self.bodies: dict[str, bytes] = {}
         self.bodies_bytes = 0      # the bodies of queued, running and dead-lettered jobs
-        self.results: dict[str, bytes] = {}
+        self.spool = ResultSpool(settings.results_dir)  # finished results, as files
         self.idem: collections.OrderedDict[str, tuple[dict[str, str], float]] = collections.OrderedDict()
         self.queues: dict[tuple[str, str], collections.deque[tuple[str, str]]] = \
             collections.defaultdict(collections.deque)
@@ -138,7 +139,7 @@ class MemoryBroker(Broker):
         self.results_bytes -= self.finished.pop(job_id, 0)
         job = self.jobs.pop(job_id, None)
         self._drop_body(job_id)
-        self.results.pop(job_id, None)
+        self.spool.drop(job_id)
         if job is not None:
             for s in (*TERMINAL, DEAD):
                 self.index[(job["model"], s)].remove(job_id)
@@ -153,7 +154,7 @@ class MemoryBroker(Broker):
         self.pending[job["model"]].discard(job["id"])
         self._set_index(job, state)
         self._expire_later(job["id"], self.settings.results_ttl_s)
-        size = len(self.results.get(job["id"], b"")) + RECORD_BYTES
+        size = (self.spool.size(job["id"]) or 0) + RECORD_BYTES
         self.finished[job["id"]] = size
         self.results_bytes += size
         # (never the job just finished: one result may take all of max_results_bytes, its record besides)
@@ -243,14 +244,17 @@ class MemoryBroker(Broker):
         return dict(job) if job else None
 
     async def result(self, job_id: str) -> bytes | None:
-        return self.results.get(job_id)
+        size = self.spool.size(job_id)
+        return None if size is None else await self.spool.chunk(job_id, 0, size)
 
     async def result_size(self, job_id: str) -> int | None:
-        data = self.results.get(job_id)
-        return None if data is None else len(data)
+        return self.spool.size(job_id)
 
     async def result_chunk(self, job_id: str, start: int, size: int) -> bytes:
-        return self.results.get(job_id, b"")[start:start + size]
+        return await self.spool.chunk(job_id, start, size)
+
+    async def close(self) -> None:
+        self.spool.close()
 
     async def cancel(self, job_id: str) -> tuple[str, dict[str, str]] | None:
         job = self.jobs.get(job_id)
@@ -293,7 +297,7 @@ class MemoryBroker(Broker):
         if timer is not None:
             timer.cancel()
         self.results_bytes -= self.finished.pop(job_id, 0)
-        self.results.pop(job_id, None)
+        self.spool.drop(job_id)
         self.index[(job["model"], DEAD)].remove(job_id)
         job.update(dead="", attempts="0", error="", finished_at="", progress="0", cancel="",
                    redriven_at=repr(self.clock()))
@@ -376,6 +380,24 @@ class MemoryBroker(Broker):
         return job is not None
 
     async def finish(self, d: Delivery, outcome: Outcome) -> str:
+        if (verdict := self._finishable(d)) != "ok":
+            return verdict
+        if outcome.result is not None:
+            await self.spool.put(d.job_id, outcome.result)  # written on a worker thread: others run meanwhile
+            if (verdict := self._finishable(d)) != "ok":
+                self.spool.drop(d.job_id)
+                return verdict
+        job = self.jobs[d.job_id]
+        job.update(result_type=outcome.content_type or "", result_status=str(outcome.status or ""),
+                   result_headers=json.dumps(outcome.headers), result_json="1" if outcome.result_json else "0",
+                   attempts=str(d.attempt), node=self.node)
+        if outcome.dead_letter and outcome.state == FAILED:
+            self._bury(job, outcome.error)
+        else:
+            self._terminal(job, outcome.state, outcome.error)
+        return "ok"
+
+    def _finishable(self, d: Delivery) -> str:
         job = self.jobs.get(d.job_id)
         if job is None:
             return "gone"
@@ -383,15 +405,6 @@ class MemoryBroker(Broker):
             return "duplicate"
         if job.get("lease") != d.lease:
             return "lost"
-        job.update(result_type=outcome.content_type or "", result_status=str(outcome.status or ""),
-                   result_headers=json.dumps(outcome.headers), result_json="1" if outcome.result_json else "0",
-                   attempts=str(d.attempt), node=self.node)
-        if outcome.result is not None:
-            self.results[d.job_id] = outcome.result
-        if outcome.dead_letter and outcome.state == FAILED:
-            self._bury(job, outcome.error)
-        else:
-            self._terminal(job, outcome.state, outcome.error)
         return "ok"
 
     async def requeue(self, d: Delivery, error: dict[str, Any] | None, charged: bool,

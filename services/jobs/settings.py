@@ -83,6 +83,10 @@ class QueueSettings(_Strict):
                                    "in memory, each finished job's record counted with its result (12 KiB); beyond, "
                                    "the oldest finished jobs are forgotten (left at the default, "
                                    "sized with max_queued_bytes from the service's memory budget)")
+    results_dir: str | None = Field(None, max_length=4096, description="embedded queue: where finished jobs' results "
+                                    "are kept as files, in a private directory made at start and removed at stop, "
+                                    "not in the process's memory (default: the system's temporary directory, "
+                                    "$TMPDIR); \"\": in memory. A write that fails keeps that result in memory")
     max_queued_bytes: int = Field(2**30, ge=1024, le=2**40, description="embedded queue: bytes of the bodies of "
                                   "queued and running jobs; a submit beyond waits for room (queue_wait_s), then "
                                   "gets 503 queue_full (left at the default, sized from the service's memory budget)")

@@ -6,6 +6,7 @@ redis-server; every process is stopped by the test that started it."""
 from __future__ import annotations
 
 import concurrent.futures
+import signal
 import socket
 import time
 
@@ -102,6 +103,43 @@ def test_a_submit_that_finds_the_queue_full_waits_its_turn_for_room(tmp_path):
         assert room == {"waiting": 0, "waited": 2, "refused": 0}, room
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
+        u.stop()
+
+
+def _rss(pid: int) -> int:
+    return psutil.Process(pid).memory_info().rss
+
+
+def test_finished_results_are_files_not_the_services_memory(tmp_path):
+    """helper-50: 90 stored img2img results kept the jobs service 376 MiB above its start
+    long after their clients had gone. Results are files in a private directory under
+    results_dir: 24 results of 3 MB leave the service's memory near where it was, read back
+    whole; a graceful stop removes the directory."""
+    spool_parent = tmp_path / "results"
+    spool_parent.mkdir()
+    u = Unit(tmp_path, "spool", targets={"scripted": (TARGET_APP, {"model": "m1"})},
+             queue={"results_dir": str(spool_parent)}, max_result_bytes=4 * 2**20)
+    try:
+        start_units(u)
+        warm = u.submit("scripted", WORK, params={"tag": "warm", "binary": 3 * 2**20})["id"]
+        assert u.wait(warm)["state"] == "succeeded"
+        before = _rss(u.jobs.proc.pid)
+        ids = [u.submit("scripted", WORK, params={"tag": f"r{i}", "binary": 3 * 2**20})["id"] for i in range(24)]
+        for job_id in ids:
+            assert u.wait(job_id)["state"] == "succeeded"
+        time.sleep(1)
+        grown = _rss(u.jobs.proc.pid) - before
+        assert grown < 24 * 2**20, f"{grown / 2**20:.0f} MiB for 72 MiB of results"  # in memory: 72 MiB and more
+        (spool,) = list(spool_parent.iterdir())
+        sizes = sorted(p.stat().st_size for p in spool.iterdir() if p.name != ".owner")
+        assert sizes == [3 * 2**20] * 25, sizes
+        r = u.api.get(f"/v1/jobs/{ids[5]}/result")
+        assert r.status_code == 200 and len(r.content) == 3 * 2**20
+        assert r.content == __import__("random").Random("r5").randbytes(3 * 2**20)
+        u.jobs.proc.send_signal(signal.SIGTERM)
+        u.jobs.proc.wait(30)
+        assert list(spool_parent.iterdir()) == [], list(spool_parent.iterdir())
+    finally:
         u.stop()
 
 
