@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
 from services.jobs.broker import IdempotencyMismatch, JobTooLarge, QueueFull, QueueUnavailable
+from services.jobs.queue_room import ClientGone
 from services.jobs.records import (
     CANCELLED,
     FAILED,
@@ -138,11 +139,13 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
         job = NewJob(new_id(), req.service, req.route, label, body, request_digest(req.service, req.route, label, sha),
                      idem, time.time(), req.priority, min(reserve, settings.max_result_bytes), trace)
         try:
-            sub = await svc.room.submit(lambda: svc.broker.submit(job, label))
+            sub = await svc.room.submit(lambda: svc.broker.submit(job, label), request.is_disconnected)
         except JobTooLarge as exc:
             raise ApiError(413, "job_too_large", str(exc)) from None
         except QueueFull as exc:
             raise ApiError(503, "queue_full", str(exc), {"Retry-After": str(settings.retry_after_s)}) from None
+        except ClientGone as exc:  # no one reads this answer
+            raise ApiError(400, "client_gone", str(exc), {"Connection": "close"}) from None
         except QueueUnavailable as exc:
             raise unavailable(svc, exc) from None
         except IdempotencyMismatch as exc:

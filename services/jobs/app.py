@@ -74,7 +74,7 @@ class JobsPart(ServicePart):
                      "submits": {"held_bytes": svc.submits.used, "waiting": svc.submits.waiting,
                                  "waited": svc.submits.waited, "refused": svc.submits.refused},
                      "queue_room": {"waiting": svc.room.waiting, "waited": svc.room.waited,
-                                    "refused": svc.room.refused},
+                                    "refused": svc.room.refused, "client_gone": svc.room.left},
                      "long_polls_waiting": svc.polls_waiting},
         }
 

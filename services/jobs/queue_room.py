@@ -24,6 +24,11 @@ from services.jobs.broker import JobTooLarge, QueueFull
 T = TypeVar("T")
 FIRST_PAUSE_S = 0.02
 MAX_PAUSE_S = 0.5
+LOOK_S = 0.5     # how often a waiter looks whether its client is still there
+
+
+class ClientGone(Exception):
+    """The client of a waiting submit went away."""
 
 
 class QueueRoom:
@@ -32,14 +37,18 @@ class QueueRoom:
         self.waited = 0    # submits that found the queue full and waited
         self.refused = 0   # submits that waited in vain (503 queue_full)
         self.reason = ""   # the queue's last word on why it had no room
+        self.left = 0      # submits whose client went away while they waited (no job made)
         self._line: collections.deque[asyncio.Future] = collections.deque()
 
     @property
     def waiting(self) -> int:
         return len(self._line)
 
-    async def submit(self, attempt: Callable[[], Awaitable[T]]) -> T:
-        """``attempt()`` (a broker submit) now, or in turn once the queue has room."""
+    async def submit(self, attempt: Callable[[], Awaitable[T]],
+                     gone: Callable[[], Awaitable[bool]] | None = None) -> T:
+        """``attempt()`` (a broker submit) now, or in turn once the queue has room. A waiter
+        whose client has gone (``gone()``, asked every LOOK_S) leaves the line without
+        submitting: no job is made for nobody (ClientGone)."""
         if not self._line:
             try:
                 return await attempt()
@@ -57,9 +66,15 @@ class QueueRoom:
         self.waited += 1
         self._pass_turn()
         try:
-            await asyncio.wait_for(asyncio.shield(turn), self.wait_s)
+            while not turn.done():
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise TimeoutError
+                await asyncio.wait([turn], timeout=min(LOOK_S, left))
+                await self._check(gone)
             pause = FIRST_PAUSE_S
             while True:
+                await self._check(gone)
                 try:
                     return await attempt()
                 except JobTooLarge:
@@ -81,6 +96,11 @@ class QueueRoom:
             turn.cancel()
             self._line.remove(turn)
             self._pass_turn()
+
+    async def _check(self, gone: Callable[[], Awaitable[bool]] | None) -> None:
+        if gone is not None and await gone():
+            self.left += 1
+            raise ClientGone("the client went away while its submit waited for room")
 
     def _pass_turn(self) -> None:
         """The head of the line is the one that tries."""

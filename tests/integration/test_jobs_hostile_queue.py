@@ -6,6 +6,7 @@ redis-server; every process is stopped by the test that started it."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import signal
 import socket
 import time
@@ -91,6 +92,14 @@ def test_a_submit_that_finds_the_queue_full_waits_its_turn_for_room(tmp_path):
         while u.api.get("/stats").json()["jobs"]["queue_room"]["waiting"] < 1:
             assert time.monotonic() < deadline and not big.done(), big.result()[0].text if big.done() else ""
             time.sleep(0.05)
+        # a client that sends its submit and goes away while it waits: no job is made for it
+        doc = json.dumps({"service": "scripted", "route": WORK, "params": {"tag": "gone"}}).encode()
+        with socket.create_connection(("127.0.0.1", u.jobs.port)) as gone:
+            gone.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Idempotency-Key: gone-1\r\nContent-Length: " + str(len(doc)).encode() + b"\r\n\r\n" + doc)
+            while u.api.get("/stats").json()["jobs"]["queue_room"]["waiting"] < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
         small = pool.submit(post, {"tag": "small"})  # would fit now: it must not overtake
         (r_big, t_big), (r_small, t_small) = big.result(), small.result()
         assert r_big.status_code == 202 and r_small.status_code == 202, (r_big.text, r_small.text)
@@ -100,7 +109,9 @@ def test_a_submit_that_finds_the_queue_full_waits_its_turn_for_room(tmp_path):
         for job_id in (*queued, r_big.json()["id"], r_small.json()["id"]):
             assert u.wait(job_id)["state"] == "succeeded"
         room = u.api.get("/stats").json()["jobs"]["queue_room"]
-        assert room == {"waiting": 0, "waited": 2, "refused": 0}, room
+        assert room == {"waiting": 0, "waited": 3, "refused": 0, "client_gone": 1}, room
+        again = u.api.post("/v1/jobs", json=json.loads(doc), headers={"Idempotency-Key": "gone-1"})
+        assert again.status_code == 202 and "idempotent-replayed" not in again.headers, again.headers
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
         u.stop()

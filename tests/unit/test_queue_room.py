@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from services.jobs.broker import JobTooLarge, QueueFull
-from services.jobs.queue_room import QueueRoom
+from services.jobs.queue_room import ClientGone, QueueRoom
 
 
 class Places:
@@ -112,4 +112,22 @@ def test_a_waiter_that_leaves_hands_its_turn_on():
         places.free = 1
         assert await asyncio.wait_for(second, 2) == "second"
         assert room.waiting == 0
+    asyncio.run(main())
+
+
+def test_a_waiter_whose_client_went_away_leaves_the_line_without_submitting():
+    async def main():
+        room, places = QueueRoom(5), Places(0)
+        away = [False]
+
+        async def gone() -> bool:
+            return away[0]
+        first = asyncio.create_task(room.submit(places.attempt("first"), gone))
+        await asyncio.sleep(0.05)
+        away[0] = True
+        with pytest.raises(ClientGone):
+            await asyncio.wait_for(first, 2)
+        places.free = 1
+        assert await room.submit(places.attempt("next")) == "next"
+        assert places.taken == ["next"] and (room.left, room.waiting) == (1, 0)
     asyncio.run(main())
