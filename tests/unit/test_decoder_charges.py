@@ -10,12 +10,15 @@ import json
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from services.runtime.codecs import webp_tables
 from services.runtime.codecs.images import DecodeLimits, probe_image
+from services.runtime.codecs.vp8l_groups import ParseBudget
 from services.runtime.codecs.webp_tables import GROUP_BYTES, lossless_table_bytes, most_groups
 from services.runtime.errors import ApiError
 from tests.harness import ROOT
@@ -39,7 +42,7 @@ def test_a_lossy_picture_is_charged_its_pixels_only():
 
 
 @pytest.mark.parametrize("form", ["lossless", "lossy with alpha", "animated lossless"])
-def test_an_ordinary_lossless_part_is_charged_the_groups_its_entropy_image_names(tmp_path, form):
+def test_an_ordinary_lossless_part_is_charged_the_groups_its_entropy_image_names(tmp_path, form, fresh_budget):
     """helper-50: charging every lossless part the most its size allows (65 536 groups, 1.3 GB,
     from a megapixel up) refused every lossless photo of 1 MP or more with 413. Its groups are
     read from its entropy image (tens for a photo), and the charge still covers the decode."""
@@ -63,7 +66,42 @@ def test_an_ordinary_lossless_part_is_charged_the_groups_its_entropy_image_names
     assert held <= charged + DECODER_SLACK, (held, charged)
 
 
-def test_a_lossless_stream_that_cannot_be_followed_is_charged_the_most_it_may_name():
+@pytest.fixture
+def fresh_budget(monkeypatch):
+    """A reading budget of its own (other tests in this process may have spent the shared one)."""
+    budget = ParseBudget()
+    monkeypatch.setattr(webp_tables, "PARSE_BUDGET", budget)
+    return budget
+
+
+def test_reading_entropy_images_takes_a_tenth_of_a_core_at_most(monkeypatch):
+    """A flood of lossless pictures is read within ParseBudget's share (each read holds the
+    GIL: 65 536-group bombs read through kept detect's /healthz p99 at 83 ms); past it a
+    picture is charged the most it may name, unread."""
+    now = [100.0]
+    budget = ParseBudget(share=0.1, burst=0.05, clock=lambda: now[0])
+    monkeypatch.setattr(webp_tables, "PARSE_BUDGET", budget)
+    photo = webp(np.asarray(Image.fromarray(astronaut()).resize((1200, 1200))), lossless=True)
+    read = lossless_table_bytes(photo, 1200, 1200)
+    assert read < 4 * 1200 * 1200 + 200 * GROUP_BYTES
+    budget.pay(0.06)  # spent past its burst
+    assert lossless_table_bytes(photo, 1200, 1200) == most_groups(1200, 1200, len(photo) - 20) * GROUP_BYTES \
+        + 4 * 1200 * 1200
+    assert budget.skipped == 1
+    now[0] += 0.5  # 50 ms of reading back after half a second
+    assert lossless_table_bytes(photo, 1200, 1200) == read
+
+
+def test_a_stream_naming_more_groups_than_an_encoder_is_charged_unread_to_its_end(fresh_budget):
+    """The 65 536-group bomb: reading stops at the 2 601st group (no encoder names more), and
+    the most it may name is charged."""
+    bomb = vp8l_bomb()
+    start = time.thread_time()
+    assert lossless_table_bytes(bomb, 1024, 1024) >= 65_536 * GROUP_BYTES
+    assert time.thread_time() - start < 0.02
+
+
+def test_a_lossless_stream_that_cannot_be_followed_is_charged_the_most_it_may_name(fresh_budget):
     data = webp(astronaut(), lossless=True)
     at = data.find(b"VP8L") + 8
     cut = data[:at + 12]  # inside its transforms' sub-images

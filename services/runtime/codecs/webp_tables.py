@@ -17,7 +17,9 @@ bomb in a chunk of 78 bytes): its bytes are counted from the chunk to the file's
 
 from __future__ import annotations
 
-from services.runtime.codecs.vp8l_groups import StreamError, built_groups, vp8l_groups
+import time
+
+from services.runtime.codecs.vp8l_groups import PARSE_BUDGET, StreamError, built_groups, vp8l_groups
 from services.runtime.codecs.webp_header import MAX_CHUNKS, iter_chunks, riff_end
 
 GROUP_BYTES = 5004 * 4 + 568  # kTableSize at colour cache bits 11 (HuffmanCode: 4 bytes), HTreeGroup
@@ -51,14 +53,17 @@ def most_groups(width: int, height: int, size: int) -> int:
 
 def _groups(data: bytes, part: tuple[bytes, int, int, int, int], width: int, height: int) -> int:
     kind, start, end, part_width, part_height = part
+    if kind == b"" or not PARSE_BUDGET.take():  # a walk that did not add up; or no time to read now
+        return most_groups(width, height, end - start)
+    spent = time.thread_time()
     try:
-        if kind == b"":  # a walk that did not add up: nothing to follow
-            raise StreamError("no stream")
         if kind == b"VP8L":
             return vp8l_groups(data, start, end)[0]
         return built_groups(data, start + 1, end, part_width, part_height)  # after the ALPH byte
     except (StreamError, IndexError, ValueError):
         return most_groups(width, height, end - start)
+    finally:
+        PARSE_BUDGET.pay(time.thread_time() - spent)
 
 
 def _lossless_parts(data: bytes, width: int, height: int) -> tuple[list[tuple[bytes, int, int, int, int]], bool]:
