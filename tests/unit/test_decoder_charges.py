@@ -66,6 +66,19 @@ def test_an_ordinary_lossless_part_is_charged_the_groups_its_entropy_image_names
     assert held <= charged + DECODER_SLACK, (held, charged)
 
 
+@pytest.mark.parametrize("lossless", [False, True])
+def test_a_webp_with_alpha_is_charged_its_bgra_decode(tmp_path, lossless, fresh_budget):
+    """helper-51: OpenCV decodes a WebP with alpha to BGRA, then BGR: a 3000x3000 one held 8.0
+    (lossless) and 9.0 (lossy) bytes a pixel where 7.0 were charged."""
+    rgb = np.asarray(Image.fromarray(astronaut()).resize((2400, 2400)))
+    rgba = np.dstack([rgb, np.asarray(Image.fromarray(rgb).convert("L"))])
+    data = webp(rgba, **({"lossless": True} if lossless else {"quality": 80}))
+    charged = probe_image(data, LIMITS).decode_pixels * 3
+    held = _held_by_opencv(tmp_path, data)
+    assert held > 7.5 * 2400 * 2400, held  # more than a picture without alpha holds
+    assert held <= charged + DECODER_SLACK, (held, charged)
+
+
 @pytest.fixture
 def fresh_budget(monkeypatch):
     """A reading budget of its own (other tests in this process may have spent the shared one)."""

@@ -28,19 +28,34 @@ ALL_GROUPS_UNDER = 1000     # libwebp builds every group up to the highest one n
 MIN_GROUP_BITS = 20         # five codes, each at least 4 bits
 CELL_SIDE = 4               # the entropy image's finest cell (huffman bits 2)
 ARGB_BYTES = 4              # the lossless decoder's own ARGB buffer, a pixel
+# a picture with alpha is decoded to BGRA, then BGR (and a lossy one's alpha plane besides):
+# 3000x3000 held 8.0 (lossless) and 9.0 (lossy) bytes a pixel where 7.0 were charged
+ALPHA_BYTES = 2
 
 
 def lossless_table_bytes(data: bytes, width: int, height: int) -> int:
-    """The most a WebP's lossless parts may make the decoder hold at once besides the picture:
-    Huffman tables and its ARGB buffer (0 for a lossy picture without lossless alpha). An
+    """The most a WebP's decoder may hold at once besides the picture: its lossless parts'
+    Huffman tables and ARGB buffer, and ALPHA_BYTES a pixel for a picture with alpha (0 for a
+    lossy picture without alpha). An
     animation's frames are decoded one by one, each with its own tables: the largest part
     bounds them. A part's groups are read from its entropy image (vp8l_groups); where that
     cannot be followed, they are the most its cells and bytes allow."""
     parts, alpha = _lossless_parts(data, width, height)
+    alpha = alpha or _says_alpha(data)
+    extra = ALPHA_BYTES * width * height if alpha else 0
     if not parts:
-        return width * height if alpha else 0  # an uncompressed alpha plane: a byte a pixel
+        return extra
     groups = max(_groups(data, part, width, height) for part in parts)
-    return groups * GROUP_BYTES + ARGB_BYTES * width * height
+    return groups * GROUP_BYTES + ARGB_BYTES * width * height + extra
+
+
+def _says_alpha(data: bytes) -> bool:
+    """VP8X's alpha flag, or a top-level VP8L stream's alpha bit (a picture decoded with alpha)."""
+    if data[12:16] == b"VP8X" and len(data) > 20:
+        return bool(data[20] & 0x10)
+    if data[12:16] == b"VP8L" and len(data) >= 25:
+        return bool(int.from_bytes(data[21:25], "little") >> 28 & 1)
+    return False
 
 
 def most_groups(width: int, height: int, size: int) -> int:
