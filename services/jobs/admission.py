@@ -98,3 +98,16 @@ class Held:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+class StreamSlots(SubmitBudget):
+    """Results being sent at once (``max_result_streams``): a reader that finds them all taken
+    waits its turn (first come, first served) for ``result_stream_wait_s`` instead of a 503 at
+    once. 64 clients that never read held every slot, and every other reader got 503 ``busy``
+    until the send deadline cut them (helper-52); they now wait, and are served in turn as
+    the stalled ones are cut."""
+
+    def _busy(self, n: int) -> ApiError:
+        return ApiError(503, "busy", f"{self.used} results are being sent (max_result_streams) and no slot came "
+                        f"free for {self.wait_s:g} s (result_stream_wait_s); retry shortly",
+                        {"Retry-After": str(self.retry_after_s or 1)})

@@ -62,10 +62,6 @@ def unavailable(svc: JobsService, exc: Exception) -> ApiError:
                     {"Retry-After": str(svc.settings.retry_after_s)})
 
 
-def busy(svc: JobsService, what: str) -> ApiError:
-    return ApiError(503, "busy", what, {"Retry-After": str(svc.settings.retry_after_s or 1)})
-
-
 def not_found(svc: JobsService, job_id: str) -> ApiError:
     return ApiError(404, "job_not_found", f"no job {job_id} (unknown, or expired after "
                     f"{svc.settings.queue.results_ttl_s:g} s)")
@@ -161,17 +157,8 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
         return JSONResponse({"id": sub.id, "state": sub.state, "model": sub.model or label}, status_code=202,
                             headers=headers)
 
-    def stream_slot() -> Any:
-        if svc.result_streams >= settings.max_result_streams:
-            raise busy(svc, f"{svc.result_streams} results are being sent (max_result_streams); retry shortly")
-        svc.result_streams += 1
-        released = []
-
-        def release() -> None:
-            if not released:
-                released.append(True)
-                svc.result_streams -= 1
-        return release
+    async def stream_slot() -> Any:
+        return (await svc.stream_slots.take(1)).release
 
     @app.get("/v1/jobs/{job_id}", summary="A job's state (and its result once it has one)",
              openapi_extra={"parameters": [{"name": "result", "in": "query", "required": False,
@@ -204,7 +191,7 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
         head, tail, encode = inline_parts(public_view(fields), fields, size)
         if size is None or first is None:
             return Response(head, media_type="application/json")
-        release = stream_slot()
+        release = await stream_slot()
         return StreamedBody(head, tail, size, first, read, encode,
                             "application/json", svc.cpu, settings.result_send_timeout_s, on_close=release)
 
@@ -235,7 +222,7 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
             raise ApiError(409 if state == FAILED else 410, "job_failed" if state == FAILED else "result_expired",
                            f"job {job_id}: {err.get('message', 'no result')}")
         seed = header_value(stored_object(fields.get("result_headers")).get("x-seed"))
-        release = stream_slot()
+        release = await stream_slot()
         return StreamedBody(b"", b"", size, first, read, False,
                             header_value(fields.get("result_type")) or "application/octet-stream", svc.cpu,
                             settings.result_send_timeout_s, {"x-seed": seed} if seed else {},

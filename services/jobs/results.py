@@ -106,7 +106,10 @@ class StreamedBody(Response):
                     return
                 async with asyncio.timeout(self.send_timeout_s):
                     await send({"type": "http.response.body", "body": piece, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
+            # (the last send waits too: for a client that reads nothing, until the transport's
+            # buffer drains; the kernel took the first 3 MB, and its slot was held with no deadline)
+            async with asyncio.timeout(self.send_timeout_s):
+                await send({"type": "http.response.body", "body": b""})
         except (TimeoutError, ConnectionAbortedError) as exc:
             log.info("jobs: a result was cut off: %s", exc if str(exc) else "the client read nothing in time")
         except QueueUnavailable as exc:  # a piece not read in time: the answer has begun, it can only end short

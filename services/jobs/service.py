@@ -12,7 +12,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from services.jobs.admission import SubmitBudget
+from services.jobs.admission import StreamSlots, SubmitBudget
 from services.jobs.broker import Broker, ModelInfo, QueueUnavailable
 from services.jobs.consumer import Consumer, is_json_document
 from services.jobs.helper_pipe import HelperGone, HelperPool
@@ -76,7 +76,8 @@ class JobsService:
                                                                     initializer=lower_priority)
         self.submits = SubmitBudget(settings.submit_memory_bytes, settings.retry_after_s, settings.submit_wait_s)
         self.room = QueueRoom(settings.queue_wait_s)
-        self.result_streams = 0
+        self.stream_slots = StreamSlots(settings.max_result_streams, settings.retry_after_s,
+                                        settings.result_stream_wait_s)
         self.registry = Registry(self.broker, lambda: [t.model_info() for t in self.targets if t.label],
                                  self.metrics, settings.queue.announce_period_s)
 
