@@ -380,11 +380,11 @@ class MemoryBroker(Broker):
         return job is not None
 
     async def finish(self, d: Delivery, outcome: Outcome) -> str:
-        if (verdict := self._finishable(d)) != "ok":
+        if (verdict := self._lease_verdict(d, "duplicate")) != "ok":
             return verdict
         if outcome.result is not None:
             await self.spool.put(d.job_id, outcome.result)  # written on a worker thread: others run meanwhile
-            if (verdict := self._finishable(d)) != "ok":
+            if (verdict := self._lease_verdict(d, "duplicate")) != "ok":
                 self.spool.drop(d.job_id)
                 return verdict
         job = self.jobs[d.job_id]
@@ -397,25 +397,23 @@ class MemoryBroker(Broker):
             self._terminal(job, outcome.state, outcome.error)
         return "ok"
 
-    def _finishable(self, d: Delivery) -> str:
+    def _lease_verdict(self, d: Delivery, terminal: str) -> str:
+        """"ok" while the delivery's run still holds its job; else why not ("gone", `terminal`
+        for a job already ended, "lost" for a lease taken over)."""
         job = self.jobs.get(d.job_id)
         if job is None:
             return "gone"
         if job["state"] in TERMINAL:
-            return "duplicate"
+            return terminal
         if job.get("lease") != d.lease:
             return "lost"
         return "ok"
 
     async def requeue(self, d: Delivery, error: dict[str, Any] | None, charged: bool,
                       isolate: bool = False) -> str:
-        job = self.jobs.get(d.job_id)
-        if job is None:
-            return "gone"
-        if job["state"] in TERMINAL:
-            return "done"
-        if job.get("lease") != d.lease:
-            return "lost"
+        if (verdict := self._lease_verdict(d, "done")) != "ok":
+            return verdict
+        job = self.jobs[d.job_id]
         self.pending[d.label].discard(d.job_id)
         if error is not None:
             job["last_error"] = json.dumps(error)

@@ -31,6 +31,15 @@ class Places:
         return go
 
 
+async def _in_line(room: QueueRoom, places: Places, *names: str) -> list[asyncio.Task]:
+    """Submits that find no room, each started after the one before has joined the line."""
+    tasks = []
+    for name in names:
+        tasks.append(asyncio.create_task(room.submit(places.attempt(name))))
+        await asyncio.sleep(0.01)
+    return tasks
+
+
 def test_room_now_is_taken_at_once():
     async def main():
         room, places = QueueRoom(5), Places(1)
@@ -42,10 +51,7 @@ def test_room_now_is_taken_at_once():
 def test_waiters_get_room_in_the_order_they_came_and_newcomers_go_behind_them():
     async def main():
         room, places = QueueRoom(5), Places(0)
-        first = asyncio.create_task(room.submit(places.attempt("first")))
-        await asyncio.sleep(0.01)
-        second = asyncio.create_task(room.submit(places.attempt("second")))
-        await asyncio.sleep(0.01)
+        first, second = await _in_line(room, places, "first", "second")
         assert room.waiting == 2 and not first.done()
         places.free = 1  # room for one: the first in line takes it
         assert await first == "first"
@@ -102,10 +108,7 @@ def test_no_wait_is_queue_full_at_once_and_too_large_is_never_waited_for():
 def test_a_waiter_that_leaves_hands_its_turn_on():
     async def main():
         room, places = QueueRoom(5), Places(0)
-        first = asyncio.create_task(room.submit(places.attempt("first")))
-        await asyncio.sleep(0.01)
-        second = asyncio.create_task(room.submit(places.attempt("second")))
-        await asyncio.sleep(0.01)
+        first, second = await _in_line(room, places, "first", "second")
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
