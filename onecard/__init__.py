@@ -33,7 +33,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-API_VERSION = "1.5"
+API_VERSION = "1.6"
 
 _NAMES = {
     # writing a model service

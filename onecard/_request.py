@@ -169,16 +169,20 @@ class Request:
         return decode_probed(self._picture(field or self._main_field(), True), header, max_side).rgb
 
     def cost(self, *, items: int = 1, item_pixels: int | list[int] = 0, input_pixels: int = 0,
-             output_pixels: int = 0, output_bytes: int | None = None, base64_output: bool = False) -> None:
+             output_pixels: int = 0, output_bytes: int | None = None, base64_output: bool = False,
+             answer_format: str | None = None, encoded_pixels: int | None = None) -> None:
         """State what this request will cost before decoding anything: its items, the pixels
         the model sees per item (one figure, or one per item), the pixels decoded and
         produced, the answer's size (default: from output_pixels, base64 in JSON when
-        base64_output). Each product is checked against the service's budgets: 413 for what
-        could never run, 503 with Retry-After for what does not fit now. In a dry run the hook
-        ends here. May be called again with larger figures as the hook learns more."""
+        base64_output), the format its pictures are encoded in (``answer_format``: the
+        encoder's own memory, PNG's when not said, for the largest picture: ``encoded_pixels``,
+        else output_pixels over the items). Each product is checked against the
+        service's budgets: 413 for what could never run, 503 with Retry-After for what does not
+        fit now. In a dry run the hook ends here. May be called again with larger figures as the hook learns more."""
         if self._raw.cost is not None:
             self._raw.cost.check(items=items, item_pixels=item_pixels, input_pixels=input_pixels,
-                                 output_pixels=output_pixels, output_bytes=output_bytes, base64_output=base64_output)
+                                 output_pixels=output_pixels, output_bytes=output_bytes, base64_output=base64_output,
+                                 answer_format=answer_format, encoded_pixels=encoded_pixels)
 
     def probe_image(self, data: bytes, name: str | None = None, *, for_decoding: bool = True) -> ImageHeader:
         """The header of a picture found elsewhere in the request (a custom JSON field), within

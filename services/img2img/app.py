@@ -105,7 +105,7 @@ class Img2ImgRoutes:
                                 f"the answer (the picture's own size) in {fmt!r}")
         request.cost(items=1, item_pixels=self.model_pixels(header.width, header.height),
                      input_pixels=header.decode_pixels + (style_header.decode_pixels if style_header else 0),
-                     output_pixels=header.pixels, base64_output=self.wants_json(p, request))
+                     output_pixels=header.pixels, base64_output=self.wants_json(p, request), answer_format=fmt)
         rgb = request.image(max_side=self.cfg.max_side)
         style_rgb = request.image("style_image", max_side=512) if style_header is not None else None
         item = Img2ImgItem(Image.fromarray(rgb), p.prompt, p.negative_prompt, p.strength, self.steps(p.steps),

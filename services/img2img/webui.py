@@ -123,7 +123,8 @@ class WebuiRoutes:
         sent = gen["req"].send_images is not False
         request.cost(items=n, item_pixels=self.r.model_pixels(width, height),
                      input_pixels=sum(h.decode_pixels for _, h in pictures) + (mask[1].decode_pixels if mask else 0),
-                     output_pixels=n * answer, base64_output=True, output_bytes=None if sent else 4096)
+                     output_pixels=n * answer, base64_output=True, output_bytes=None if sent else 4096,
+                     answer_format=gen["format"])
 
     def _steps(self, gen: dict[str, Any], strength: float) -> int:
         """The steps the model runs: with img2img_fix_steps, enough that `steps` of them denoise."""

@@ -240,7 +240,9 @@ class ExtrasRoutes:
         plans = plan["plans"]
         request.cost(items=1, item_pixels=0,
                      input_pixels=max((up.input_pixels + up.work_pixels for *_, up in plans), default=0),
-                     output_pixels=sum(up.size[0] * up.size[1] for *_, up in plans), base64_output=True)
+                     output_pixels=sum(up.size[0] * up.size[1] for *_, up in plans), base64_output=True,
+                     answer_format=plan["format"],
+                     encoded_pixels=max((up.size[0] * up.size[1] for *_, up in plans), default=0))
         request.state.extras = {"plans": plan["plans"], "format": plan["format"], "single": single}
         return [PassthroughItem()]
 

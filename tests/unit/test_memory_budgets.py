@@ -10,6 +10,7 @@ import pytest
 
 from common import hostmemory as memory
 from common.hostmemory import service_memory
+from services.runtime.codecs.encoder_limits import working_bytes
 from services.runtime.errors import ApiError
 from services.runtime.pipeline.budgets import Charge, HeldMemory, plan_budgets
 from services.runtime.pipeline.cost import RequestCost, ServiceCost
@@ -128,13 +129,14 @@ def test_a_request_cost_is_the_product_of_its_figures_not_each_figure_alone():
     assert service.held.used == 0
     small = RequestCost(service, service.new_charge())
     estimate = small.check(items=2, item_pixels=512 * 512, input_pixels=512 * 512, output_pixels=2 * 512 * 512)
-    assert estimate.held_bytes == 3 * (512 * 512 + 2 * 512 * 512 + 2 * 512 * 512) + estimate.output_bytes
+    assert estimate.held_bytes == (3 * (512 * 512 + 2 * 512 * 512 + 2 * 512 * 512) + estimate.output_bytes
+                                   + working_bytes(512 * 512, "png"))  # one answer encoded at a time
     assert service.held.used == estimate.held_bytes
     assert estimate.call_bytes == int(1.25 * 100 * 512 * 512)
 
 
 @pytest.mark.parametrize("said, told", [({}, None), ({"output_bytes": 0}, 0), ({"output_bytes": 9000}, 9000),
-                                        ({"output_pixels": 100}, 100 * 3 + 4096)])
+                                        ({"output_pixels": 100}, 100 * 3 + 100 * 3 // 64 + 4096)])
 def test_a_dry_run_tells_the_answer_s_size_only_where_the_hook_said_it(said, told):
     """Unsaid, a small JSON answer is counted in what the request holds, but the dry run says
     null: a job reserves result_reserve_bytes for its result, not that guess."""

@@ -27,7 +27,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from services.runtime.codecs import exif, jpeg
 from services.runtime.codecs import png_bmp as formats
-from services.runtime.codecs.encoder_limits import check_encodable
+from services.runtime.codecs.encoder_limits import SMALL_WEBP_PIXELS, check_encodable
 from services.runtime.codecs.exif_segments import jpeg_pieces, webp_pieces
 from services.runtime.codecs.fresh_bytes import joined
 from services.runtime.codecs.page_release import hand_back_pages
@@ -45,7 +45,7 @@ ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP")
 # pictures up to this size; a bigger one OpenCV refuses is a 400.
 PILLOW_FALLBACK_MAX_PIXELS = 1 << 22
 # below this, Pillow's faster WebP encoder holds the GIL for a few ms at most (19 ms a megapixel)
-PILLOW_WEBP_MAX_PIXELS = 1 << 18
+PILLOW_WEBP_MAX_PIXELS = SMALL_WEBP_PIXELS
 # OpenCV decodes an animation by composing its first frame on a full RGBA canvas, beside
 # the previous one: with the RGB copy, what decoding holds at its peak, measured against the
 # picture's RGB size (3 bytes a pixel): WebP 11 bytes a pixel, APNG up to 15 (RGBA frames)

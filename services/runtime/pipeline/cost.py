@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from services.runtime.codecs.encoder_limits import working_bytes
 from services.runtime.errors import ApiError
 from services.runtime.pipeline.budgets import Budgets, Charge, HeldMemory, mib
 from services.runtime.pipeline.cost_curves import BatchCurve, MemoryCurve
@@ -52,8 +53,11 @@ class CostEstimate:
 
 
 def output_bytes_for(pixels: int, base64: bool = False) -> int:
-    """An encoded answer's size at most: an incompressible picture is its raw size."""
+    """An encoded answer's size at most: an incompressible picture is its raw size, and a
+    PNG of noise a little more (a filter byte a row, zlib's stored blocks: 0.2 % at 2000 px a
+    row), which the 1/64 covers from rows of 22 pixels on."""
     raw = pixels * BYTES_PER_PIXEL
+    raw += raw // 64
     return int(raw * (BASE64 if base64 else 1.0)) + ANSWER_OVERHEAD
 
 
@@ -172,10 +176,13 @@ class RequestCost:
 
     def check(self, *, items: int = 1, item_pixels: int | Iterable[int] = 0, input_pixels: int = 0,
               output_pixels: int = 0, output_bytes: int | None = None, base64_output: bool = False,
+              answer_format: str | None = None, encoded_pixels: int | None = None,
               dry_run_stops_here: bool = True) -> CostEstimate:
         """Refuse (413) what could never run, or (503) what does not fit now; else hold it.
 
         `item_pixels` is what the model sees per item (one figure for all, or one each).
+        The encoder's own memory for `answer_format` (PNG's when not said) is counted for the
+        largest picture encoded at once: `encoded_pixels`, else output_pixels over the items.
         May be called again with larger figures (a request learns more as it goes): the
         holding grows to the new total. In a dry run (``X-Onecard-Dry-Run``) an accepted
         cost ends the hook here (DryRunComplete): nothing is decoded."""
@@ -185,8 +192,11 @@ class RequestCost:
         stated = output_bytes is not None or output_pixels > 0
         if output_bytes is None:
             output_bytes = output_bytes_for(output_pixels, base64_output) if output_pixels else ANSWER_OVERHEAD
+        if encoded_pixels is None:
+            encoded_pixels = -(-int(output_pixels) // max(1, items))
+        encoding = working_bytes(int(encoded_pixels), answer_format) if output_pixels else 0
         held = (self.body_bytes + BYTES_PER_PIXEL * (input_pixels + sum(per_item) + output_pixels)
-                + int(output_bytes))
+                + int(output_bytes) + encoding)
         service = self.service
         call = service.call_bytes(largest) if service is not None else 0
         estimate = CostEstimate(items, int(input_pixels), largest, int(output_pixels), int(output_bytes), held, call,
@@ -203,8 +213,10 @@ class RequestCost:
             if held > budgets.request_bytes:
                 raise ApiError(413, "too_costly",
                                f"this request would hold about {mib(held)} ({items} item(s), {input_pixels} pixels "
-                               f"decoded, {output_pixels} produced, answer up to {mib(output_bytes)}); one request "
-                               f"may hold {mib(budgets.request_bytes)}: send fewer or smaller pictures")
+                               f"decoded, {output_pixels} produced, answer up to {mib(output_bytes)}, its encoder "
+                               f"{mib(encoding)}{' in ' + answer_format if answer_format else ''}); one request "
+                               f"may hold {mib(budgets.request_bytes)}: send fewer or smaller pictures"
+                               f"{', or ask for a PNG or JPEG answer' if answer_format == 'webp' else ''}")
         self.charge.hold(held, wait=True)  # the pipeline waits its turn for the room (MemoryWait)
         if self.dry_run and dry_run_stops_here:
             raise DryRunComplete()
