@@ -23,6 +23,7 @@ from starlette.responses import Response
 
 from services.jobs.broker import QueueUnavailable
 from services.jobs.records import stored_object
+from services.runtime.edge.protocol import END_EXTENSION
 
 log = logging.getLogger("onecard.jobs")
 PIECE = 3 * 64 * 1024  # bytes of result per read (a multiple of 3 for base64): what a stalled poll holds
@@ -112,12 +113,22 @@ class StreamedBody(Response):
                 await send({"type": "http.response.body", "body": b""})
         except (TimeoutError, ConnectionAbortedError) as exc:
             log.info("jobs: a result was cut off: %s", exc if str(exc) else "the client read nothing in time")
+            _end_short(scope, hard=True)  # what it did not read is dropped
         except QueueUnavailable as exc:  # a piece not read in time: the answer has begun, it can only end short
             log.warning("jobs: a result was cut off: %s", exc)
+            _end_short(scope, hard=False)  # the client reads what was sent
         finally:
             gone.cancel()
             if self.on_close is not None:
                 self.on_close()
+
+
+def _end_short(scope, hard: bool) -> None:
+    """An answer that ends short ends its connection (the edge's extension; a server without
+    it closes the connection itself when the answer is left incomplete)."""
+    end = scope.get("extensions", {}).get(END_EXTENSION)
+    if end is not None:
+        end(hard)
 
 
 async def _disconnected(receive) -> None:

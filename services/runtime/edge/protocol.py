@@ -29,6 +29,7 @@ connection forever (uvicorn issue 157). Here, per connection:
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,20 @@ from services.runtime.edge.receive_deadlines import ReceiveDeadlines
 from services.runtime.edge.send_deadline import KernelQueueLinger, SendWatch, reset
 from services.runtime.edge.start_turns import PendingStart, StartTurns, is_probe
 from services.runtime.edge.upgrade_header import without_upgrade
+
+# scope["extensions"][END_EXTENSION](hard): an app ending its answer short ends the connection
+END_EXTENSION = "onecard.end_short"
+
+
+def _ender(protocol: Any, cycle: Any) -> Callable[[bool], None]:
+    """Weak both ways: the scope holds this, and the protocol holds the scope's cycle."""
+    protocol_ref, cycle_ref = weakref.ref(protocol), weakref.ref(cycle)
+
+    def end_connection(hard: bool) -> None:
+        protocol_now, cycle_now = protocol_ref(), cycle_ref()
+        if protocol_now is not None and cycle_now is not None:
+            protocol_now.end_for_app(cycle_now, hard)
+    return end_connection
 
 __all__ = ["ConnectionLimits", "ConnectionStats", "error_bytes", "guarded_protocol"]
 
@@ -231,6 +246,22 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             super().resume_writing()
             self._send_watch.stop()
 
+        def end_for_app(self, cycle, hard: bool) -> None:
+            """An app that ends an answer short ends the connection: with a reset (`hard`: a
+            reader cut off for taking none of it, whose unsent bytes are dropped) or a close
+            (the client gets what was sent, short of its Content-Length). Its cycle is told
+            it is gone now, else uvicorn, finding the answer incomplete when the app returns,
+            logged an error for what is no bug of the server's."""
+            cycle.disconnected = True
+            cycle.message_event.set()
+            if not self.transport.is_closing():
+                if hard:
+                    self._was_reset = True
+                    self._disarm()
+                    reset(self.transport)
+                else:
+                    self.transport.close()
+
         def _on_send_stuck(self) -> None:
             stats.send_timeouts += 1
             self._was_reset = True
@@ -404,6 +435,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._chunks = 0
             self._body_data = 0
             super().on_headers_complete()
+            self.cycle.scope.setdefault("extensions", {})[END_EXTENSION] = _ender(self, self.cycle)
             if starts_now:  # else uvicorn queued it behind the one being answered
                 self._active = self.cycle
             if self.cycle.waiting_for_100_continue:
