@@ -192,6 +192,36 @@ def big_lossless_webp_resent(u, ctx) -> Result:
     return lossless_webp_groups(u, ctx, padded_to=18 * 10**6)
 
 
+def detailed_webp_answers(u, ctx) -> Result:
+    """6 clients, 20 s, asking img2img for the answer as WebP at quality 100, each sending a
+    picture of detail all over (noise at 1024x1024 scaled up to 16 MP, 6.7 MB of JPEG) kept as
+    it is (strength 0): libwebp held 17-32 bytes a pixel to write such an answer, where 3 were
+    charged, and four at once in the CPU pool were 2 GB no budget knew of. The same at 12 MP
+    asked as WebP, then as JPEG, by 2 more clients: what a budget admits is served."""
+    import cv2
+    import numpy as np
+    noise = np.random.default_rng(7).integers(0, 256, (1024, 1024, 3), dtype=np.uint8)
+
+    def jpeg_of(width: int, height: int) -> bytes:
+        big = cv2.resize(noise, (width, height), interpolation=cv2.INTER_CUBIC)
+        return cv2.imencode(".jpg", big, [cv2.IMWRITE_JPEG_QUALITY, 90])[1].tobytes()
+    pictures = {"16mp": jpeg_of(4000, 4000), "12mp": jpeg_of(4000, 3000)}
+    t_end = time.monotonic() + 20
+    port = u.ports["img2img"]
+    asks = [("16mp", "webp")] * 6 + [("12mp", "webp"), ("12mp", "jpeg")]
+
+    def client(i: int) -> list[dict]:
+        size, fmt = asks[i]
+        got = []
+        while time.monotonic() < t_end:
+            got.append(request(port, "POST", f"/api/v1/img2img?format={fmt}&quality=100&strength=0",
+                               pictures[size], {"Content-Type": "image/jpeg"}, timeout=120, keep_body=False))
+        return got
+    got = [r for rs in concurrently(client, len(asks)) for r in rs]
+    return {"statuses": tally(got), "notes": {"bytes": {k: len(v) for k, v in pictures.items()},
+                                              "requests": len(got)}}
+
+
 MORE_ATTACKS = [
     ("B19 endless chunk framing (trailer value, size zeros)", endless_chunk_framing),
     ("B20 probe port connect-and-close churn", probe_port_churn),
@@ -200,4 +230,5 @@ MORE_ATTACKS = [
     ("B23 requests sent and hung up on (reset, close)", send_and_hang_up),
     ("B24 lossless WebP naming 65 536 Huffman groups", lossless_webp_groups),
     ("B25 18 MB lossless WebP resent after each 413", big_lossless_webp_resent),
+    ("B26 detailed 16 MP pictures answered as WebP at quality 100", detailed_webp_answers),
 ]

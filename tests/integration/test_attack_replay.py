@@ -193,6 +193,17 @@ def test_a_request_refused_for_its_cost_decodes_no_picture(unit):
     assert hwm(pid) - before < 64 * MIB  # headers only: one 6324x6324 decode alone is 120 MB
 
 
+def test_an_answer_is_charged_its_encoder_by_the_format_asked(unit):
+    """libwebp held 31.8 bytes a pixel to write noise at quality 100 (tests/unit/
+    test_encoder_charges.py) where 3 were charged: four 16 MP WebP answers at once were 2 GB
+    no budget knew of. The same picture is cheap enough as a JPEG answer."""
+    port, picture, dry = unit.ports["img2img"], I.flat_png(4000, 4000), "X-Onecard-Dry-Run: 1\r\n"
+    s, body = post(port, "/api/v1/img2img?format=webp&quality=100", picture, "image/png", dry)
+    assert (s, code(body)) == (413, "too_costly") and b"webp" in body, body[:400]
+    s, body = post(port, "/api/v1/img2img?format=jpeg", picture, "image/png", dry)
+    assert s == 200 and json.loads(body)["valid"], body[:400]
+
+
 def test_the_options_store_is_bounded(unit):
     port = unit.ports["img2img"]
     s, body = post(port, "/sdapi/v1/options", json.dumps({"attack_big": "x" * 100_000}).encode(), "application/json")
