@@ -17,11 +17,12 @@ MAX_SIDE = {"png": 2**31 - 1, "jpeg": 65500, "webp": 16383}
 
 # Bytes a pixel an encoder holds at its peak beyond its answer (charged at 3 bytes a pixel,
 # an incompressible picture's raw size), measured on noise at quality 100, the worst case
-# (tests/unit/test_encoder_charges.py): PNG its filtered rows (3.4); JPEG OpenCV's BGR copy and
-# its output buffer (4.0); WebP OpenCV's BGR copy and libwebp's token buffers, which grow with
-# the quality and the detail (28.8 at quality 100 on noise, 3.3 on a photo at 85), or, for a
-# small picture, Pillow's method 0 (12.2)
-WORKING_PER_PIXEL = {"png": 4.0, "jpeg": 5.0, "webp": 31.0}
+# (tests/unit/test_encoder_charges.py): PNG its filtered rows (3.4); JPEG OpenCV's BGR copy
+# and its output buffer (4.0), and an EXIF block's copy of the answer (2.0 more); WebP
+# OpenCV's BGR copy and libwebp's token buffers, which grow with the quality and the detail
+# (28.8 at quality 100 on noise, 3.3 on a photo at 85), or, for a small picture, Pillow's
+# method 0 (12.2)
+WORKING_PER_PIXEL = {"png": 4.0, "jpeg": 6.0, "webp": 31.0}
 SMALL_WEBP_PIXELS = 1 << 18    # encoded by Pillow (images.PILLOW_WEBP_MAX_PIXELS)
 SMALL_WEBP_PER_PIXEL = 14.0
 WORKING_FLOOR = 1 << 20        # an encoder's own tables, whatever the size
