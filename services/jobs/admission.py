@@ -101,13 +101,13 @@ class Held:
 
 
 class StreamSlots(SubmitBudget):
-    """Results being sent at once (``max_result_streams``): a reader that finds them all taken
-    waits its turn (first come, first served) for ``result_stream_wait_s`` instead of a 503 at
-    once. 64 clients that never read held every slot, and every other reader got 503 ``busy``
-    until the send deadline cut them (helper-52); they now wait, and are served in turn as
-    the stalled ones are cut."""
+    """Result pieces read and encoded at once (``max_result_streams``): a piece that finds them
+    all taken waits its turn (first come, first served) for ``result_stream_wait_s`` instead of
+    a 503 at once. A slot is held while a piece is read, never while its client is waited for
+    (results.py): clients that never read held every slot until the send deadline cut them,
+    and every other reader got 503 ``busy`` (helper-52, helper-53)."""
 
     def _busy(self, n: int) -> ApiError:
-        return ApiError(503, "busy", f"{self.used} results are being sent (max_result_streams) and no slot came "
+        return ApiError(503, "busy", f"{self.used} result pieces are being read (max_result_streams) and no slot came "
                         f"free for {self.wait_s:g} s (result_stream_wait_s); retry shortly",
                         {"Retry-After": str(self.retry_after_s or 1)})

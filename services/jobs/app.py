@@ -75,7 +75,7 @@ class JobsPart(ServicePart):
                                  "waited": svc.submits.waited, "refused": svc.submits.refused},
                      "queue_room": {"waiting": svc.room.waiting, "waited": svc.room.waited,
                                     "refused": svc.room.refused, "client_gone": svc.room.left},
-                     "result_streams": {"sending": svc.stream_slots.used, "waiting": svc.stream_slots.waiting,
+                     "result_streams": {"reading": svc.stream_slots.used, "waiting": svc.stream_slots.waiting,
                                         "waited": svc.stream_slots.waited, "refused": svc.stream_slots.refused},
                      "long_polls_waiting": svc.polls_waiting},
         }

@@ -6,8 +6,11 @@ anything else as base64. The document is never built whole: its head and tail ar
 and the result between them is read from the queue piece by piece (a fixed size, a
 multiple of 3 so that base64 pieces join up), encoded off the event loop, and sent as it
 goes, with an exact Content-Length. A 27 MB image polled by 100 clients that never read
-holds at most one piece per poll, for at most ``result_send_timeout_s``, and no more than
-``max_result_streams`` results are sent at once.
+holds at most one piece per poll, for at most ``result_send_timeout_s``; the next piece is
+read only once the client has taken the last one, and no more than ``max_result_streams``
+pieces are read and encoded at once. A poll holds that slot while its piece is read, never
+while it waits for its client: 250 clients that never read held every slot for the send
+deadline, and every other reader, polls of any finished job included, got 503 (helper-53).
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ from starlette.responses import Response
 from services.jobs.broker import QueueUnavailable
 from services.jobs.records import stored_object
 from services.runtime.edge.protocol import END_EXTENSION
+from services.runtime.errors import ApiError
 
 log = logging.getLogger("onecard.jobs")
 PIECE = 3 * 64 * 1024  # bytes of result per read (a multiple of 3 for base64): what a stalled poll holds
 
 Reader = Callable[[int, int], Awaitable[bytes]]   # (start, size) -> bytes of the stored result
+Slot = Callable[[], Awaitable[Callable[[], None]]]  # waits for a slot; returns its release
 
 
 def b64_length(n: int) -> int:
@@ -73,10 +78,10 @@ class StreamedBody(Response):
 
     def __init__(self, head: bytes, tail: bytes, size: int, first: bytes, read: Reader, encode: bool, media_type: str,
                  cpu: Callable[..., Awaitable[Any]], send_timeout_s: float, headers: dict[str, str] | None = None,
-                 status: int = 200, on_close: Callable[[], None] | None = None):
+                 status: int = 200, slot: Slot | None = None):
         self.head, self.tail, self.size, self.first, self.read, self.encode = head, tail, size, first, read, encode
         self.media_type, self.cpu, self.send_timeout_s = media_type, cpu, send_timeout_s
-        self.extra_headers, self.status_code, self.on_close = headers or {}, status, on_close
+        self.extra_headers, self.status_code, self.slot = headers or {}, status, slot
         self.background = None  # what FastAPI attaches its background tasks to
         body_len = b64_length(size) if encode else size
         self.length = len(head) + body_len + len(tail)
@@ -86,12 +91,18 @@ class StreamedBody(Response):
             yield self.head
         done = 0
         while done < self.size:
-            piece = self.first if done == 0 else await self.read(done, min(PIECE, self.size - done))
-            if not piece:
-                raise ConnectionAbortedError("the result expired while it was sent")
-            done += len(piece)
-            # pybase64 releases the GIL for the piece (the probes keep their turn)
-            yield await self.cpu(len(piece), pybase64.b64encode, piece) if self.encode else piece
+            release = await self.slot() if self.slot is not None and done else None
+            try:
+                piece = self.first if done == 0 else await self.read(done, min(PIECE, self.size - done))
+                if not piece:
+                    raise ConnectionAbortedError("the result expired while it was sent")
+                done += len(piece)
+                # pybase64 releases the GIL for the piece (the probes keep their turn)
+                out = await self.cpu(len(piece), pybase64.b64encode, piece) if self.encode else piece
+            finally:
+                if release is not None:
+                    release()
+            yield out
         if self.tail:
             yield self.tail
 
@@ -107,8 +118,9 @@ class StreamedBody(Response):
                     return
                 async with asyncio.timeout(self.send_timeout_s):
                     await send({"type": "http.response.body", "body": piece, "more_body": True})
-            # (the last send waits too: for a client that reads nothing, until the transport's
-            # buffer drains; the kernel took the first 3 MB, and its slot was held with no deadline)
+                    # the next piece is read once the client has taken this one: an empty send
+                    # waits for the transport's buffer to drain (uvicorn's flow control)
+                    await send({"type": "http.response.body", "body": b"", "more_body": True})
             async with asyncio.timeout(self.send_timeout_s):
                 await send({"type": "http.response.body", "body": b""})
         except (TimeoutError, ConnectionAbortedError) as exc:
@@ -117,10 +129,11 @@ class StreamedBody(Response):
         except QueueUnavailable as exc:  # a piece not read in time: the answer has begun, it can only end short
             log.warning("jobs: a result was cut off: %s", exc)
             _end_short(scope, hard=False)  # the client reads what was sent
+        except ApiError as exc:  # no slot came free for a piece in result_stream_wait_s
+            log.warning("jobs: a result was cut off: %s", exc.message)
+            _end_short(scope, hard=False)
         finally:
             gone.cancel()
-            if self.on_close is not None:
-                self.on_close()
 
 
 def _end_short(scope, hard: bool) -> None:

@@ -220,12 +220,12 @@ class JobsSettings(ServiceSettings):
                                 "for room in the queue (max_queued_jobs, max_queued_bytes, a Redis at its maxmemory) "
                                 "once its body is read, in line (first come, first served); then 503 queue_full "
                                 "(0: 503 at once)")
-    max_result_streams: int = Field(64, ge=1, le=100_000, description="job results sent at once; beyond, a reader "
-                                    "waits its turn (result_stream_wait_s), then 503 busy")
-    result_stream_wait_s: float = Field(45.0, ge=0, le=600, allow_inf_nan=False, description="longest a reader "
-                                        "waits for one of max_result_streams, first come first served (longer than "
-                                        "result_send_timeout_s: a stalled reader's slot comes free first); then 503 "
-                                        "busy (0: at once)")
+    max_result_streams: int = Field(64, ge=1, le=100_000, description="result pieces read from the queue and "
+                                    "encoded at once (a slot is held while a piece is read, never while its "
+                                    "client is waited for); beyond, a piece waits its turn (result_stream_wait_s)")
+    result_stream_wait_s: float = Field(45.0, ge=0, le=600, allow_inf_nan=False, description="longest a piece "
+                                        "waits for one of max_result_streams, first come first served; then a poll "
+                                        "gets 503 busy and an answer already begun ends short (0: at once)")
     result_send_timeout_s: float = Field(30.0, gt=0, le=3600, allow_inf_nan=False, description="a client that "
                                          "reads no part of a result for this long is cut off")
     max_list_limit: int = Field(500, ge=1, le=10_000, description="most jobs in one page of GET /v1/jobs")

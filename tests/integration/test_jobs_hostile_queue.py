@@ -155,29 +155,33 @@ def test_finished_results_are_files_not_the_services_memory(tmp_path):
 
 
 def test_readers_that_never_read_do_not_lock_the_others_out_of_results(tmp_path):
-    """helper-52: 64 clients asking for a big result and never reading held every result slot:
-    every other reader got 503 busy until the send deadline cut them. A reader now waits its
-    turn for a slot and is served once a stalled one is cut."""
+    """helper-52, helper-53: clients asking for a big result and never reading held every
+    result slot until the send deadline cut them; 250 of them, reconnecting, kept every other
+    reader (polls of any finished job too) at 503 busy. A slot is held only while a piece is
+    read, never while the client is waited for: other readers are served at once."""
     u = Unit(tmp_path, "slots", targets={"scripted": (TARGET_APP, {"model": "m1"})}, max_result_bytes=4 * 2**20,
-             max_result_streams=2, result_send_timeout_s=2, result_stream_wait_s=20)
+             max_result_streams=2, result_send_timeout_s=8, result_stream_wait_s=20)
     stalled = []
     try:
         start_units(u)
         job = u.submit("scripted", WORK, params={"tag": "big", "binary": 3 * 2**20})["id"]
         assert u.wait(job)["state"] == "succeeded"
-        for _ in range(2):
+        for path in [f"/v1/jobs/{job}/result", f"/v1/jobs/{job}"] * 3:
             s = socket.socket()
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             s.connect(("127.0.0.1", u.jobs.port))
-            s.sendall(f"GET /v1/jobs/{job}/result HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
             stalled.append(s)
-        time.sleep(0.5)  # both hold their slots, reading nothing
+        time.sleep(1.0)  # each has taken what the kernel holds and waits, reading nothing
         sent = time.monotonic()
         r = u.api.get(f"/v1/jobs/{job}/result", timeout=30)
         assert r.status_code == 200 and len(r.content) == 3 * 2**20, r.text[:200]
-        assert time.monotonic() - sent >= 1.0  # it waited for a stalled reader to be cut
+        poll = u.api.get(f"/v1/jobs/{job}", timeout=30)
+        assert poll.status_code == 200 and len(poll.json()["result"]["image"]) == 4 * 2**20, poll.text[:200]
+        assert time.monotonic() - sent < 5.0  # served before any stalled reader was cut (8 s)
+        time.sleep(max(0.0, sent + 9.0 - time.monotonic()))  # past the send deadline, reading nothing
         for s in stalled:  # cut with a reset: what the kernel took, then the end of the connection
-            s.settimeout(10)
+            s.settimeout(15)
             with pytest.raises(ConnectionResetError):
                 while s.recv(1 << 20):
                     pass
