@@ -24,7 +24,7 @@ import pytest
 import uvicorn
 
 from services.runtime.edge.connection_limits import ConnectionLimits
-from services.runtime.edge.connection_room import STALLED_BODY_S
+from services.runtime.edge.connection_room import STALLED_ANSWER_S, STALLED_BODY_S
 from services.runtime.edge.protocol import guarded_protocol
 from tests.children.edge_app import DISCONNECTS, create_app
 
@@ -225,6 +225,35 @@ def test_a_refused_whole_request_takes_the_next_place_that_comes_free():
             took = time.monotonic() - t0
             assert answer.startswith(b"HTTP/1.1 200") and b'"tag":"late"' in answer, answer[:300]
             assert took < 4.0, took  # an overflow place came free after 1 s; its 503 was due at 5 s
+        finally:
+            for s in held:
+                s.close()
+
+
+def test_an_answer_its_client_does_not_read_makes_room_for_a_newcomer():
+    """helper-53: 700 clients asking for a big answer and reading none of it held every place
+    until the send deadline (30 s), the overflow too (each asked with a whole request), and
+    every other client got 503 too_many_connections. One whose client took nothing of its
+    answer for STALLED_ANSWER_S now makes room, with a reset; one that reads keeps its place."""
+    held: list[socket.socket] = []
+    with serving(ConnectionLimits(max_connections=4, send_timeout_s=60), pace_s=(5.0, 5.0)) as port:
+        try:
+            for _ in range(4 + 8 + 8):  # the places, the overflow, the probes' reserve: answers unread
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                s.connect(("127.0.0.1", port))
+                s.sendall(b"GET /stream?mb=16 HTTP/1.1\r\nHost: x\r\n\r\n")
+                held.append(s)
+                time.sleep(0.02)
+            time.sleep(STALLED_ANSWER_S + 0.5)
+            t0 = time.monotonic()
+            answer = _ask(port, b"GET /wait?s=0&tag=late HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 200") and b'"tag":"late"' in answer, answer[:300]
+            assert time.monotonic() - t0 < 4.0  # at once, not after the 5 s refusal pace
+            held[0].settimeout(10)
+            with pytest.raises(ConnectionResetError):  # the oldest unread answer made room
+                while held[0].recv(1 << 20):
+                    pass
         finally:
             for s in held:
                 s.close()

@@ -13,7 +13,7 @@ import pytest
 
 from services.jobs.payload import Limits, digest_submit
 from services.runtime.edge.body_pace import CHUNK_GRACE, BodyRate, chunks_too_small
-from services.runtime.edge.connection_room import ConnectionRoom
+from services.runtime.edge.connection_room import STALLED_ANSWER_S, ConnectionRoom
 from services.runtime.edge.json_items import JsonItemCounter, check_json_items, nests_deeper_than, structural_bytes
 from services.runtime.errors import ApiError
 
@@ -22,9 +22,13 @@ from services.runtime.errors import ApiError
 class Conn:
     def __init__(self, name: str, closed: list[str]):
         self.name, self.closed = name, closed
+        self.unread = True
 
     def give_way(self) -> None:
         self.closed.append(self.name)
+
+    def answer_unread(self) -> bool:
+        return self.unread
 
 
 def room_of(limit: int) -> tuple[ConnectionRoom, list[str], dict[str, Conn]]:
@@ -296,6 +300,28 @@ def test_a_connection_with_a_request_in_progress_never_makes_room():
     assert room.make_room(1)  # below the limit: nothing to close
 
 
+def test_an_answer_its_client_takes_nothing_of_makes_room_only_after_a_while():
+    """helper-53: 700 clients asking for a job's result and never reading held every place
+    until the send deadline; every other reader got 503 too_many_connections."""
+    clock = [0.0]
+    room, closed = ConnectionRoom(2, clock=lambda: clock[0]), []
+    a, b = Conn("a", closed), Conn("b", closed)
+    room.busy(a)
+    room.answer_unread(b, 0.0)
+    assert not room.make_room(2, now=STALLED_ANSWER_S - 0.1) and closed == []  # a slow link keeps its place
+    b.unread = False  # taken some since, unbeknown to the room: not closed, and no longer listed
+    assert not room.make_room(2, now=STALLED_ANSWER_S + 0.1) and closed == []
+    room.answer_unread(b, 5.0)
+    room.answer_unread(b, 6.0)  # still unread: its first time stands
+    room.answer_unread(a, 5.5)
+    b.unread = True
+    assert room.make_room(2, now=5.0 + STALLED_ANSWER_S) and closed == ["b"]
+    assert room.counts()["unread"] == 1
+    room.gone(b)
+    room.busy(a)  # its client took some: in progress, never closed
+    assert not room.make_room(2, now=60.0) and closed == ["b"]
+
+
 def test_an_arriving_head_keeps_its_place_and_a_leaving_one_is_not_listed_again():
     room, closed, c = room_of(2)
     for name in ("a", "b"):
@@ -307,7 +333,7 @@ def test_an_arriving_head_keeps_its_place_and_a_leaving_one_is_not_listed_again(
     assert room.make_room(3) and closed == ["a", "b"]
     room.gone(c["a"])
     room.gone(c["b"])
-    assert room.counts() == {"idle": 0, "arriving": 0, "bodies": 0, "leaving": 0}
+    assert room.counts() == {"idle": 0, "arriving": 0, "bodies": 0, "unread": 0, "leaving": 0}
 
 
 # ---- a body's rate ---------------------------------------------------------------------------

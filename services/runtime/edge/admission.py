@@ -77,7 +77,8 @@ class Admission:
 
 class AdmittingConnection:
     """The protocol's side of admission. The protocol class sets ``admission`` and provides
-    ``_admit`` (take the connection), ``_disarm``, ``_fail`` and its parser state."""
+    ``_admit`` (take the connection), ``_disarm``, ``_fail``, ``answer_unread`` and
+    ``cut_unread_answer`` (an answer its client does not take) and its parser state."""
 
     admission: Admission
     pace_s = PACE_S  # how long a refusal or a connection that made room waits to be told
@@ -129,7 +130,8 @@ class AdmittingConnection:
 
     def give_way(self) -> None:
         """Closed to make room for a newcomer (connection_room): silently when idle, with a
-        503 when a head was arriving, a 408 when its body had stalled. Its place is the
+        503 when a head was arriving, a 408 when its body had stalled, with a reset when its
+        client took none of its answer (at once: its unsent bytes are dropped). Its place is the
         newcomer's at once, but it is told (and closed) after a pause, as a refusal is:
         evicted clients that reconnect at once took each other's places in a chain as
         fast as the loop could go, and the probes queued behind them. One kept alive
@@ -137,6 +139,9 @@ class AdmittingConnection:
         limits = self.admission.limits
         self.admission.stats.evicted += 1
         self._gave_way = True
+        if self.answer_unread():  # its client takes none of its answer: reset now
+            self.cut_unread_answer()
+            return
         if self._phase == BODY and not self._broken:
             self._cut = True
             self._broken = True

@@ -11,13 +11,17 @@ waited longest for the rest of an unfinished request head. Failing those, one wh
 body is owed by its client and has stalled (nothing for STALLED_BODY_S, its reading not held
 back by the service): 600 clients that send a head with ``Expect: 100-continue`` and then no
 body held every connection in progress, and every newcomer, /healthz included, got 503 until
-their body deadline. A connection with any other request in progress (its body arriving or
-held back by the service, its answer being made or sent, requests pipelined behind it) is
-never closed that way: only when every connection has one is a newcomer refused, unless
-what it sent is already a whole request with nothing more to wait for (a probe, a small
-upload): it is answered and gone at once, so up to QUICK_OVERFLOW such newcomers are taken
-beyond the limit (connections that hold bodies back kept /healthz at 503 otherwise: each one
-that made room was taken at once by the holders' own reconnects).
+their body deadline. Failing those, one whose answer its client has taken nothing of for
+STALLED_ANSWER_S (writing paused on it): 700 clients asking for a job's result and never
+reading held every place until the send deadline, and every other reader got 503 (it is
+reset, as the send deadline would do later). A connection with any other request in
+progress (its body arriving or held back by the service, its answer being made or taken by
+its client, requests pipelined behind it) is never closed that way: only when every
+connection has one is a newcomer refused, unless what it sent is already a whole request
+with nothing more to wait for (a probe, a small upload): it is answered and gone at once,
+so up to QUICK_OVERFLOW such newcomers are taken beyond the limit (connections that hold
+bodies back kept /healthz at 503 otherwise: each one that made room was taken at once by
+the holders' own reconnects).
 
 Real clients send their request the moment they connect, usually before the service
 accepts them: a newcomer whose bytes are already waiting counts as a head arriving, not
@@ -49,6 +53,7 @@ from services.runtime.edge.read_turns import READ_AT_ONCE_BYTES
 LINGER_S = 1.0
 PACE_S = (0.5, 1.0)     # a refusal's 503 is written after this long (uniform: reconnects do not come in waves)
 STALLED_BODY_S = 1.0   # a body owed by its client with nothing for this long may make room
+STALLED_ANSWER_S = 2.0  # an answer its client took nothing of for this long may make room
 FRESH_S = 1.0          # idle (or a head arriving) for less: never closed to make room
 STALLED_SCAN = 32      # bodies looked at for one newcomer (those the service holds back go last)
 QUICK_OVERFLOW = 1 / 8  # of the limit: newcomers with a whole request taken beyond it (at least 8)
@@ -70,6 +75,9 @@ class Evictable(Protocol):
     def owes_body(self) -> bool:
         """Is the rest of its request body the client's to send now (not held back by us)?"""
 
+    def answer_unread(self) -> bool:
+        """Is its answer waiting on its client (writing paused) now?"""
+
 
 class ConnectionRoom:
     def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic):
@@ -77,6 +85,7 @@ class ConnectionRoom:
         self._idle: dict[Evictable, float] = {}      # since when, idle the longest first
         self._arriving: dict[Evictable, float] = {}  # a head begun (when): waiting the longest first
         self._bodies: dict[Evictable, float] = {}    # a body arriving, by the time of its last read
+        self._unread: dict[Evictable, float] = {}    # an answer its client does not take: since when
         self._leaving: set[Evictable] = set()        # closed to make room, not gone yet
 
     def make_room(self, open_now: int, now: float = 0.0, quick: Callable[[], int] = lambda: 0) -> bool | int:
@@ -95,7 +104,8 @@ class ConnectionRoom:
         # arriving: it moves on, once, and the next idle one is looked at
         while self._idle and has_bytes_waiting(getattr(first := next(iter(self._idle)), "transport", None)):
             self.arriving(first)
-        victim = self._settled(self._idle, now) or self._settled(self._arriving, now) or self._stalled_body(now)
+        victim = (self._settled(self._idle, now) or self._settled(self._arriving, now) or self._stalled_body(now)
+                  or self._unread_answer(now))
         if victim is None:
             overflow = max(8, int(self.limit * QUICK_OVERFLOW))
             if open_now - len(self._leaving) >= self.limit + overflow + PROBE_RESERVE:
@@ -104,7 +114,7 @@ class ConnectionRoom:
             if kind == PROBE or (kind and open_now - len(self._leaving) < self.limit + overflow):
                 return OVERFLOW
             return False
-        for listed in (self._idle, self._arriving, self._bodies):
+        for listed in (self._idle, self._arriving, self._bodies, self._unread):
             listed.pop(victim, None)
         self._leaving.add(victim)  # still open until its connection_lost: not counted twice
         victim.give_way()
@@ -130,6 +140,26 @@ class ConnectionRoom:
             del self._bodies[conn]
             self._bodies[conn] = last_read
         return None
+
+    def _unread_answer(self, now: float) -> Evictable | None:
+        """The answer waiting longest on its client, if that is STALLED_ANSWER_S or more."""
+        for _ in range(min(STALLED_SCAN, len(self._unread))):
+            conn, since = next(iter(self._unread.items()))
+            if now - since < STALLED_ANSWER_S:
+                return None
+            if conn.answer_unread():
+                return conn
+            del self._unread[conn]  # taken since, unbeknown: it is listed again when it stops
+        return None
+
+    def answer_unread(self, conn: Evictable, since: float) -> None:
+        """An answer in progress that its client has taken nothing of since ``since``: closed
+        to make room only after STALLED_ANSWER_S of that."""
+        if conn not in self._leaving:
+            self._idle.pop(conn, None)
+            self._arriving.pop(conn, None)
+            self._bodies.pop(conn, None)
+            self._unread.setdefault(conn, since)
 
     def arrived(self, conn: Evictable, transport: Any) -> None:
         """A connection accepted: idle, unless its request's bytes are already waiting."""
@@ -165,6 +195,7 @@ class ConnectionRoom:
         self._idle.pop(conn, None)
         self._arriving.pop(conn, None)
         self._bodies.pop(conn, None)
+        self._unread.pop(conn, None)
 
     def gone(self, conn: Evictable) -> None:
         self.busy(conn)
@@ -172,7 +203,7 @@ class ConnectionRoom:
 
     def counts(self) -> dict[str, int]:
         return {"idle": len(self._idle), "arriving": len(self._arriving), "bodies": len(self._bodies),
-                "leaving": len(self._leaving)}
+                "unread": len(self._unread), "leaving": len(self._leaving)}
 
 
 def request_waiting(transport: Any) -> bytes:

@@ -120,6 +120,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._overflow = False     # taken beyond max_connections with a whole request
             self._body_data = 0        # its bytes without the framing
             self._leave_timer: asyncio.TimerHandle | None = None  # made room: told and closed then
+            self._paused_at: float | None = None  # writing paused on the client since (loop time)
 
         # ---- connections ------------------------------------------------------------
         def _admit(self, transport: asyncio.Transport, overflow: bool, read_now: bool = True) -> None:
@@ -142,7 +143,10 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 room.body_arriving(self, self._last_read_at)
             elif (self._phase == BODY or self.pipeline or self._earlier_answers_pending()
                     or (self.cycle is not None and not self.cycle.response_complete)):
-                room.busy(self)
+                if self._paused_at is not None and self._phase != BODY:
+                    room.answer_unread(self, self._paused_at)
+                else:
+                    room.busy(self)
             elif self._phase == HEAD or self._waiting_bytes > 0:
                 room.arriving(self)
             else:
@@ -239,12 +243,31 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 return  # a refused connection: its 503 is all it gets, closed within a second
             super().pause_writing()
             self._send_watch.start()
+            self._paused_at = self.loop.time()
+            self._update_room()
 
         def resume_writing(self) -> None:
             if self._send_watch is None:
                 return
             super().resume_writing()
             self._send_watch.stop()
+            self._paused_at = None
+            self._update_room()
+
+        def answer_unread(self) -> bool:
+            return self._paused_at is not None and not self._broken and not self.transport.is_closing()
+
+        def cut_unread_answer(self) -> None:
+            """Closed to make room (connection_room): its client took none of its answer for
+            STALLED_ANSWER_S while the port was full. Reset, as the send deadline would later."""
+            self._was_reset = True
+            self._broken = True
+            self._disarm()
+            for cycle in (self._active, self.cycle):
+                if cycle is not None and not cycle.response_complete:
+                    cycle.disconnected = True
+                    cycle.message_event.set()
+            reset(self.transport)
 
         def end_for_app(self, cycle, hard: bool) -> None:
             """An app that ends an answer short ends the connection: with a reset (`hard`: a
