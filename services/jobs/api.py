@@ -191,8 +191,8 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
         head, tail, encode = inline_parts(public_view(fields), fields, size)
         if size is None or first is None:
             return Response(head, media_type="application/json")
-        return StreamedBody(head, tail, size, first, read, encode,
-                            "application/json", svc.cpu, settings.result_send_timeout_s, slot=stream_slot)
+        return StreamedBody(head, tail, size, first, read, encode, "application/json", svc.cpu,
+                            settings.result_send_timeout_s, slot=stream_slot, live=svc.live_streams)
 
     @app.get("/v1/jobs/{job_id}/result", summary="The service's answer: its bytes and content type",
              responses={200: {"content": {"application/json": {}, "image/png": {}, "image/jpeg": {},
@@ -224,7 +224,7 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
         return StreamedBody(b"", b"", size, first, read, False,
                             header_value(fields.get("result_type")) or "application/octet-stream", svc.cpu,
                             settings.result_send_timeout_s, {"x-seed": seed} if seed else {},
-                            status or 200, slot=stream_slot)
+                            status or 200, slot=stream_slot, live=svc.live_streams)
 
     @app.delete("/v1/jobs/{job_id}", summary="Cancel a job")
     async def cancel(job_id: str) -> Any:

@@ -12,6 +12,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from common.hostmemory import trim_heap
 from services.jobs.admission import StreamSlots, SubmitBudget
 from services.jobs.broker import Broker, ModelInfo, QueueUnavailable
 from services.jobs.consumer import Consumer, is_json_document
@@ -23,6 +24,7 @@ from services.jobs.policy import RetryPolicy
 from services.jobs.queue_room import QueueRoom
 from services.jobs.records import TERMINAL
 from services.jobs.registry import Registry
+from services.jobs.results import LiveStreams
 from services.jobs.settings import JobsSettings
 from services.jobs.store_budget import sized_for_memory
 from services.jobs.targets import ResultTooLarge, Target, TargetTimeout, TargetUnreachable, unit_services
@@ -76,6 +78,7 @@ class JobsService:
                                                                     initializer=lower_priority)
         self.submits = SubmitBudget(settings.submit_memory_bytes, settings.retry_after_s, settings.submit_wait_s)
         self.room = QueueRoom(settings.queue_wait_s)
+        self.live_streams = LiveStreams(self._trim_heap)
         self.stream_slots = StreamSlots(settings.max_result_streams, settings.retry_after_s,
                                         settings.result_stream_wait_s)
         self.registry = Registry(self.broker, lambda: [t.model_info() for t in self.targets if t.label],
@@ -275,6 +278,10 @@ class JobsService:
         """Let big objects go on a worker thread (see CpuPool.release): freeing 30 MB hands
         its pages back to the system, 2 to 3 ms the loop would spend."""
         release_on(self.executor, garbage)
+
+    def _trim_heap(self) -> None:
+        """malloc_trim on a worker (tens of ms; ctypes releases the GIL for it)."""
+        asyncio.get_running_loop().run_in_executor(self.executor, trim_heap)
 
     async def cpu(self, size: int, fn: Callable, *args: Any) -> Any:
         """fn(*args): on the loop when it is small, else on a worker, in the GIL lane. This work
