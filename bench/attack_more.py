@@ -5,7 +5,9 @@ client without credentials can do; run by bench/attack_soak.py."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import resource
 import socket
 import struct
 import threading
@@ -13,7 +15,8 @@ import time
 import uuid
 from typing import Any
 
-from bench.attack_net import HOST, b64, concurrently, post_json, request, tally, trickle
+from bench.attack_classes import _big_job
+from bench.attack_net import HOST, Holder, b64, concurrently, post_json, request, tally, trickle
 from tests import images as I
 from tests.webp_bombs import vp8l_bomb
 
@@ -222,6 +225,60 @@ def detailed_webp_answers(u, ctx) -> Result:
                                               "requests": len(got)}}
 
 
+def result_readers_unread(u, ctx) -> Result:
+    """700 connections asking for a job's 8 MB result and reading none of it, each opened again
+    as soon as the server resets it, for 40 s, while 2 clients read the same result whole
+    (helper-53: 250 of them held every max_result_streams slot, 700 every place on the port;
+    the readers got 503 busy or too_many_connections). The readers' statuses are the verdict."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    job = _big_job(u, ctx)
+    if job is None:
+        return {"statuses": {}, "notes": {"skipped": ctx.get("big_job_error")}}
+    ask = f"GET /v1/jobs/{job}/result HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+    port, t_end = u.ports["jobs"], time.monotonic() + 40
+    holders = [Holder(port, ask, 100).open() for _ in range(7)]
+    reopened = [0]
+
+    def keep_holding(h) -> dict:
+        while time.monotonic() < t_end:
+            time.sleep(1.0)
+            for i, sock in enumerate(h.socks):
+                sock.setblocking(False)
+                try:
+                    if sock.recv(1 << 20) != b"":
+                        continue  # what the kernel took: left unread after this
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    pass
+                sock.close()
+                fresh = Holder(port, ask, 1).open()
+                if fresh.socks:
+                    h.socks[i] = fresh.socks[0]
+                    reopened[0] += 1
+        return {}
+
+    def reader(i: int) -> list[dict]:
+        got = []
+        while time.monotonic() < t_end:
+            got.append(request(port, "GET", f"/v1/jobs/{job}/result", timeout=60, keep_body=False))
+        return got
+    with concurrent.futures.ThreadPoolExecutor(len(holders) + 2) as pool:
+        holding = [pool.submit(keep_holding, h) for h in holders]
+        reads = [pool.submit(reader, i) for i in range(2)]
+        got = [r for f in reads for r in f.result()]
+        for f in holding:
+            f.result()
+    for h in holders:
+        h.close()
+    return {"statuses": tally(got), "notes": {"reads": len(got), "max_read_s": round(max(r["s"] for r in got), 1),
+                                              "holders_reopened": reopened[0]}}
+
+
+result_readers_unread.prepare = _big_job  # the job's own run is not part of the attack
+
+
 MORE_ATTACKS = [
     ("B19 endless chunk framing (trailer value, size zeros)", endless_chunk_framing),
     ("B20 probe port connect-and-close churn", probe_port_churn),
@@ -231,4 +288,5 @@ MORE_ATTACKS = [
     ("B24 lossless WebP naming 65 536 Huffman groups", lossless_webp_groups),
     ("B25 18 MB lossless WebP resent after each 413", big_lossless_webp_resent),
     ("B26 detailed 16 MP pictures answered as WebP at quality 100", detailed_webp_answers),
+    ("B27 700 unread readers of a job's result, reopened when reset", result_readers_unread),
 ]
