@@ -22,12 +22,12 @@ from services.runtime.errors import ApiError
 class Conn:
     def __init__(self, name: str, closed: list[str]):
         self.name, self.closed = name, closed
-        self.unread = True
+        self.unread: float | None = 0.0  # since when its client took nothing of its answer
 
     def give_way(self) -> None:
         self.closed.append(self.name)
 
-    def answer_unread(self) -> bool:
+    def unread_since(self) -> float | None:
         return self.unread
 
 
@@ -303,23 +303,23 @@ def test_a_connection_with_a_request_in_progress_never_makes_room():
 def test_an_answer_its_client_takes_nothing_of_makes_room_only_after_a_while():
     """helper-53: 700 clients asking for a job's result and never reading held every place
     until the send deadline; every other reader got 503 too_many_connections."""
-    clock = [0.0]
-    room, closed = ConnectionRoom(2, clock=lambda: clock[0]), []
-    a, b = Conn("a", closed), Conn("b", closed)
+    room, closed = ConnectionRoom(3, clock=lambda: 0.0), []
+    a, b, c = Conn("a", closed), Conn("b", closed), Conn("c", closed)
     room.busy(a)
     room.answer_unread(b, 0.0)
-    assert not room.make_room(2, now=STALLED_ANSWER_S - 0.1) and closed == []  # a slow link keeps its place
-    b.unread = False  # taken some since, unbeknown to the room: not closed, and no longer listed
-    assert not room.make_room(2, now=STALLED_ANSWER_S + 0.1) and closed == []
+    assert not room.make_room(3, now=STALLED_ANSWER_S - 0.1) and closed == []  # not long enough
+    b.unread = None  # its client took some since, unbeknown to the room: not closed, no longer listed
+    assert not room.make_room(3, now=STALLED_ANSWER_S + 0.1) and closed == []
+    assert room.counts()["unread"] == 0
     room.answer_unread(b, 5.0)
-    room.answer_unread(b, 6.0)  # still unread: its first time stands
-    room.answer_unread(a, 5.5)
-    b.unread = True
-    assert room.make_room(2, now=5.0 + STALLED_ANSWER_S) and closed == ["b"]
+    room.answer_unread(b, 6.0)  # still waiting: its first time stands
+    room.answer_unread(c, 5.5)
+    b.unread, c.unread = 6.5, 5.5  # b's slow client took some at 6.5; c's nothing since 5.5
+    assert room.make_room(3, now=5.0 + STALLED_ANSWER_S + 0.6) and closed == ["c"]  # b, listed first, stays
+    room.gone(c)
     assert room.counts()["unread"] == 1
-    room.gone(b)
-    room.busy(a)  # its client took some: in progress, never closed
-    assert not room.make_room(2, now=60.0) and closed == ["b"]
+    room.busy(b)  # taking its answer again: in progress, never closed
+    assert not room.make_room(3, now=60.0) and closed == ["c"]
 
 
 def test_an_arriving_head_keeps_its_place_and_a_leaving_one_is_not_listed_again():

@@ -77,7 +77,7 @@ class Admission:
 
 class AdmittingConnection:
     """The protocol's side of admission. The protocol class sets ``admission`` and provides
-    ``_admit`` (take the connection), ``_disarm``, ``_fail``, ``answer_unread`` and
+    ``_admit`` (take the connection), ``_disarm``, ``_fail``, ``unread_since`` and
     ``cut_unread_answer`` (an answer its client does not take) and its parser state."""
 
     admission: Admission
@@ -139,7 +139,7 @@ class AdmittingConnection:
         limits = self.admission.limits
         self.admission.stats.evicted += 1
         self._gave_way = True
-        if self.answer_unread():  # its client takes none of its answer: reset now
+        if self.unread_since() is not None:  # its client takes nothing of its answer: reset now
             self.cut_unread_answer()
             return
         if self._phase == BODY and not self._broken:

@@ -75,8 +75,9 @@ class Evictable(Protocol):
     def owes_body(self) -> bool:
         """Is the rest of its request body the client's to send now (not held back by us)?"""
 
-    def answer_unread(self) -> bool:
-        """Is its answer waiting on its client (writing paused) now?"""
+    def unread_since(self) -> float | None:
+        """Since when its client has taken nothing of its answer (writing paused on it), on
+        the loop's clock; None when its answer is not waiting on its client."""
 
 
 class ConnectionRoom:
@@ -142,14 +143,16 @@ class ConnectionRoom:
         return None
 
     def _unread_answer(self, now: float) -> Evictable | None:
-        """The answer waiting longest on its client, if that is STALLED_ANSWER_S or more."""
-        for _ in range(min(STALLED_SCAN, len(self._unread))):
-            conn, since = next(iter(self._unread.items()))
-            if now - since < STALLED_ANSWER_S:
-                return None
-            if conn.answer_unread():
+        """Of the answers waiting longest on their clients, the first whose client has taken
+        nothing of it for STALLED_ANSWER_S (a slow reader keeps taking some: it stays)."""
+        for conn, paused_at in list(self._unread.items())[:STALLED_SCAN]:
+            if now - paused_at < STALLED_ANSWER_S:
+                return None  # the rest paused later
+            since = conn.unread_since()
+            if since is None:
+                del self._unread[conn]  # taken since, unbeknown: listed again when it waits again
+            elif now - since >= STALLED_ANSWER_S:
                 return conn
-            del self._unread[conn]  # taken since, unbeknown: it is listed again when it stops
         return None
 
     def answer_unread(self, conn: Evictable, since: float) -> None:

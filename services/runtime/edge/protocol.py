@@ -254,11 +254,14 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._paused_at = None
             self._update_room()
 
-        def answer_unread(self) -> bool:
-            return self._paused_at is not None and not self._broken and not self.transport.is_closing()
+        def unread_since(self) -> float | None:
+            """Since when its client has taken nothing of its answer (None: not waiting on it)."""
+            if self._paused_at is None or self._broken or self.transport.is_closing() or self._send_watch is None:
+                return None
+            return self._send_watch.last_taken()
 
         def cut_unread_answer(self) -> None:
-            """Closed to make room (connection_room): its client took none of its answer for
+            """Closed to make room (connection_room): its client took nothing of its answer for
             STALLED_ANSWER_S while the port was full. Reset, as the send deadline would later."""
             self._was_reset = True
             self._broken = True

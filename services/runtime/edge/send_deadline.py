@@ -62,6 +62,8 @@ class SendWatch:
         self._handle: asyncio.TimerHandle | None = None
         self._last_size = 0
         self._last_progress = 0.0
+        self._queued_last = 0
+        self._queued_taken = 0.0
 
     @property
     def active(self) -> bool:
@@ -70,13 +72,30 @@ class SendWatch:
     def start(self) -> None:
         if self._handle is None:
             self._last_size = self._transport.get_write_buffer_size()
-            self._last_progress = self._loop.time()
+            self._last_progress = self._queued_taken = self._loop.time()
+            self._queued_last = self._queued()
             self._handle = self._loop.call_later(self._tick_s, self._tick)
 
     def stop(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+
+    def last_taken(self) -> float:
+        """When its client last took some of its answer, as of now (loop time): what the
+        transport's buffer and the kernel's queue hold shrank. (The kernel asks for more only
+        once half its queue is gone: a slow reader empties it for many seconds before the
+        transport's buffer moves; the send deadline above counts that buffer alone.)"""
+        queued = self._queued()
+        if queued < self._queued_last:
+            self._queued_taken = self._loop.time()
+        self._queued_last = queued
+        return self._queued_taken
+
+    def _queued(self) -> int:
+        sock = self._transport.get_extra_info("socket")
+        fd = sock.fileno() if sock is not None else -1
+        return self._transport.get_write_buffer_size() + (unsent_bytes(fd) if fd >= 0 else 0)
 
     def _tick(self) -> None:
         self._handle = None
