@@ -7,7 +7,9 @@ As files in a private directory they cost page cache, which the kernel reclaims 
 pressure and reads back when a result is fetched. Every write, read and removal runs on a
 worker thread, never on the event loop. A directory that cannot be made, or a write that
 fails (a full or read-only disk), keeps that result in memory instead, with one warning:
-no result is lost for want of disk. max_results_bytes bounds both, as before.
+no result is lost for want of disk. max_results_bytes bounds both, as before. Results kept
+in memory move to the disk once it takes a write again (a later result written, or one
+removed): a full disk had kept 49 results, 300 MiB, in memory until their hour was up.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class ResultSpool:
         self.files: dict[str, str] = {}  # job id -> its file (a new name each time: a late removal never hits it)
         self._count = 0
         self._warned = False
+        self._spilling: asyncio.Task | None = None
         if directory == "":
             return
         try:
@@ -71,6 +74,7 @@ class ResultSpool:
                 await asyncio.get_running_loop().run_in_executor(None, _write, path, data)
                 self.drop(job_id)  # (put twice at once: the last one written stays)
                 self.files[job_id], self.sizes[job_id] = path, len(data)
+                self._spill_soon()
                 return
             except OSError as exc:
                 self._warn(f"cannot write a result to {self.dir} ({exc.strerror or exc})")
@@ -94,12 +98,40 @@ class ResultSpool:
         path = self.files.pop(job_id, None)
         if path is not None:
             try:
-                asyncio.get_running_loop().run_in_executor(None, _remove, path)
+                loop = asyncio.get_running_loop()
             except RuntimeError:  # no loop (the broker is being torn down): at once
                 _remove(path)
+                return
+            removed = loop.run_in_executor(None, _remove, path)
+            if self.in_memory:  # room on the disk, once it is gone
+                removed.add_done_callback(lambda _: self._spill_soon())
+
+    def _spill_soon(self) -> None:
+        if self.in_memory and self.dir is not None and self._spilling is None:
+            self._spilling = asyncio.get_running_loop().create_task(self._spill())
+
+    async def _spill(self) -> None:
+        """Move results kept in memory to the disk, one at a time, until a write fails."""
+        try:
+            while self.in_memory:
+                job_id, data = next(iter(self.in_memory.items()))
+                path = self._new_path()
+                try:
+                    await asyncio.get_running_loop().run_in_executor(None, _write, path, data)
+                except OSError:
+                    return  # still full: the next write or removal tries again
+                if self.in_memory.get(job_id) is data:  # not dropped or replaced meanwhile
+                    del self.in_memory[job_id]
+                    self.files[job_id] = path
+                else:
+                    await asyncio.get_running_loop().run_in_executor(None, _remove, path)
+        finally:
+            self._spilling = None
 
     def close(self) -> None:
         """Remove the directory and everything in it (the embedded queue dies with its process)."""
+        if self._spilling is not None:
+            self._spilling.cancel()
         self.in_memory.clear()
         self.sizes.clear()
         self.files.clear()

@@ -79,6 +79,29 @@ def test_a_full_disk_keeps_the_result_in_memory_with_one_warning(tiny_disk, capl
     asyncio.run(main())
 
 
+def test_results_kept_in_memory_move_to_the_disk_once_it_has_room(tiny_disk):
+    """helper-54: a full disk kept 49 results (300 MiB) in the jobs service's memory until their
+    hour was up, though older results removed had made room."""
+    async def main():
+        spool = ResultSpool(str(tiny_disk))
+        first, second, third = os.urandom(40_000), os.urandom(40_000), os.urandom(9_000)
+        await spool.put("a" * 32, first)
+        await spool.put("b" * 32, second)  # the disk (64 KiB) holds one of them
+        assert spool.in_memory.keys() == {"b" * 32}
+        spool.drop("a" * 32)  # its file removed: room for the one in memory
+        for _ in range(100):
+            if not spool.in_memory:
+                break
+            await asyncio.sleep(0.02)
+        assert not spool.in_memory and "b" * 32 in spool.files
+        assert await spool.chunk("b" * 32, 0, 40_000) == second and spool.size("b" * 32) == 40_000
+        await spool.put("c" * 32, os.urandom(40_000))  # full again: in memory
+        await spool.put("d" * 32, third)  # a later write that fits moves nothing it cannot
+        assert spool.in_memory.keys() == {"c" * 32} and "d" * 32 in spool.files
+        spool.close()
+    asyncio.run(main())
+
+
 OWNER = ("import asyncio, sys, time\n"
          "from services.jobs.result_spool import ResultSpool\n"
          "spool = ResultSpool(sys.argv[1])\n"
