@@ -263,14 +263,12 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
         def cut_unread_answer(self) -> None:
             """Closed to make room (connection_room): its client took nothing of its answer for
             STALLED_ANSWER_S while the port was full. Reset, as the send deadline would later."""
-            self._was_reset = True
             self._broken = True
-            self._disarm()
             for cycle in (self._active, self.cycle):
                 if cycle is not None and not cycle.response_complete:
                     cycle.disconnected = True
                     cycle.message_event.set()
-            reset(self.transport)
+            self._reset_connection()
 
         def end_for_app(self, cycle, hard: bool) -> None:
             """An app that ends an answer short ends the connection: with a reset (`hard`: a
@@ -282,17 +280,19 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             cycle.message_event.set()
             if not self.transport.is_closing():
                 if hard:
-                    self._was_reset = True
-                    self._disarm()
-                    reset(self.transport)
+                    self._reset_connection()
                 else:
                     self.transport.close()
 
         def _on_send_stuck(self) -> None:
             stats.send_timeouts += 1
+            self._reset_connection()  # connection_lost tells the app: its send returns at once
+
+        def _reset_connection(self) -> None:
+            """A TCP reset now (its unsent bytes dropped); no lingering close after it."""
             self._was_reset = True
             self._disarm()
-            reset(self.transport)  # connection_lost tells the app: its send returns at once
+            reset(self.transport)
 
         def on_response_complete(self) -> None:
             if self.pipeline and not self.transport.is_closing():
