@@ -29,6 +29,11 @@ class ServiceSettings(BaseModel):
                                  description="open client connections; a newcomer beyond takes the place of the "
                                  "longest idle one (or the oldest unfinished head), and gets 503 only when every "
                                  "connection has a request in progress")
+    connection_queue_timeout_s: float = Field(4.0, ge=0, le=300, allow_inf_nan=False,
+                                              description="a newcomer refused for want of a place waits in "
+                                              "line this long (from its connect) once its request has begun, "
+                                              "oldest first, for one to come free (HAProxy's timeout queue); "
+                                              "then 503 too_many_connections")
     max_header_bytes: int = Field(16 * 1024, ge=1024, le=2**20,
                                   description="request line plus headers; beyond: 431 and the connection is closed")
     header_timeout_s: float = Field(10.0, gt=0, le=3600, allow_inf_nan=False,
@@ -53,6 +58,11 @@ class ServiceSettings(BaseModel):
     send_timeout_s: float = Field(30.0, gt=0, le=3600, allow_inf_nan=False,
                                   description="a client that takes none of its answer for this long (nginx's "
                                   "send_timeout) is reset and the buffered answer freed")
+    send_buffer_bytes: int = Field(256 * 1024, ge=0, le=2**30,
+                                   description="the kernel's send queue of each client connection (SO_SNDBUF; "
+                                   "Linux doubles it): what a client that reads nothing holds of its answer in "
+                                   "the kernel, and what is produced for it before the service waits on it "
+                                   "(0: the kernel's autotuning, up to 4 MiB a connection)")
     max_header_count: int = Field(100, ge=8, le=10_000,
                                   description="header fields in one request; beyond: 431 and the connection is closed")
     max_pipelined_requests: int = Field(16, ge=1, le=1024,

@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 
 import httpx
@@ -335,10 +336,18 @@ def test_probes_answer_on_the_private_socket_while_clients_hold_every_connection
     port: clients holding every public connection cannot make a working unit look dead."""
     sock_dir = tempfile.mkdtemp(prefix="oc-", dir="/tmp")  # a unix socket path must stay short
     u = Unit(tmp_path, "held", targets={"scripted": (TARGET_APP, {"model": "m1", "dry_run": True})},
-             max_connections=4, body_timeout_s=120, min_body_rate_bytes_s=0)
+             max_connections=4, body_timeout_s=120, min_body_rate_bytes_s=0, connection_queue_timeout_s=0)
     path = os.path.join(sock_dir, "jobs.sock")
     u.jobs.env.update(ONECARD_PROBE_SOCKET=path, ONECARD_INSTANCE_TOKEN="tok-jobs")
     held = []
+    sending = threading.Event()
+
+    def keep_sending() -> None:  # a byte of each body every 0.25 s: none of them stalls, none makes room
+        while sending.is_set():
+            for s in held:
+                s.send(b" ")
+            time.sleep(0.25)
+    trickle = threading.Thread(target=keep_sending, daemon=True)
     try:
         start_units(u)
         for _ in range(4):  # every connection the public port allows, each mid-body (a request in
@@ -347,6 +356,8 @@ def test_probes_answer_on_the_private_socket_while_clients_hold_every_connection
             s.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 1000\r\n\r\n{")
             held.append(s)
+        sending.set()
+        trickle.start()
         deadline = time.monotonic() + 10
         while True:  # the public port is full: a newcomer whose request is still coming is refused
             with socket.create_connection(("127.0.0.1", u.jobs.port)) as s:
@@ -371,6 +382,9 @@ def test_probes_answer_on_the_private_socket_while_clients_hold_every_connection
         status, doc = probe(path, "/metrics")
         assert status == 200 and "onecard_jobs" in doc["text"]
     finally:
+        sending.clear()
+        if trickle.is_alive():
+            trickle.join()
         for s in held:
             s.close()
         u.stop()

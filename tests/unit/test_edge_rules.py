@@ -859,7 +859,7 @@ def test_a_refused_newcomer_is_answered_after_a_pause_and_a_late_whole_request_i
     """Its 503 waits PACE_S (a client answered at once reconnects at once); a whole request
     that arrives meanwhile is offered to the room, and once taken nothing is written."""
     from services.runtime.edge import connection_room
-    from services.runtime.edge.connection_room import LINGER_S, PACE_S, RefusedNewcomer
+    from services.runtime.edge.connection_room import BEGUN, LINGER_S, PACE_S, WHOLE, RefusedNewcomer
 
     loop, before = FakeLoop(), connection_room._lingering[0]
     refused = RefusedNewcomer(loop, transport := HeldTransport(), 8)
@@ -877,21 +877,102 @@ def test_a_refused_newcomer_is_answered_after_a_pause_and_a_late_whole_request_i
     offered: list[bytes] = []
     taken = RefusedNewcomer(loop, transport := HeldTransport(), 8,
                             take_late=lambda data: offered.append(data) or len(offered) > 1, pace_s=1.0)
-    taken.data_received(b"GET /healthz HTTP/1.1\r\n")
-    assert offered == []  # not whole yet
+    assert taken.waits_with() == 0 and not taken.offer()  # nothing sent: nothing to take
+    taken.data_received(b"GET /v1/x HTTP/1.1\r\n")
+    assert taken.waits_with() == BEGUN
     taken.data_received(b"Host: x\r\n\r\n")
-    assert offered == [b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"]  # no room: still refused
-    taken.data_received(b"")
-    assert len(offered) == 2 and connection_room._lingering[0] == before  # taken: gone from the count
+    assert taken.waits_with() == WHOLE and offered == []  # offered by the line, in its turn
+    assert not taken.offer() and offered == [b"GET /v1/x HTTP/1.1\r\nHost: x\r\n\r\n"]  # no room
+    assert taken.offer() and len(offered) == 2 and connection_room._lingering[0] == before  # taken: uncounted
     loop.advance(2.0)
     assert transport.written == b"" and not transport.closed
 
+    # an upload's first bytes are kept (a head's worth, the rest left in the socket) for its turn
     big = RefusedNewcomer(loop, transport := HeldTransport(), 8, take_late=offered.append, pace_s=1.0)
-    big.data_received(b"POST /a HTTP/1.1\r\nContent-Length: 99999\r\n\r\n" + b"x" * 20000)
-    assert transport.paused and len(offered) == 2  # not a probe: its bytes wait in the socket
+    head = b"POST /a HTTP/1.1\r\nContent-Length: 99999\r\n\r\n"
+    big.data_received(head + b"x" * 20000)
+    assert transport.paused and big.waits_with() == BEGUN
+    assert not big.offer() and offered[-1] == head + b"x" * 20000
     loop.advance(1.1)
-    assert b"503" in transport.written and not transport.paused  # answered, then drained
+    assert b"503" in transport.written and not transport.paused  # its turn never came: answered, drained
+    assert big.waits_with() == 0
     big.gone()
+
+
+def test_a_refusal_waiting_in_line_gets_its_503_at_the_line_timeout_not_its_pause():
+    from services.runtime.edge.connection_room import RefusedNewcomer
+
+    loop = FakeLoop()
+    waiting = RefusedNewcomer(loop, transport := HeldTransport(), 8, take_late=lambda data: False, pace_s=1.0)
+    loop.advance(0.5)
+    waiting.data_received(b"GET /v1/x HTTP/1.1\r\n\r\n")
+    waiting.wait_in_line(4.0)
+    loop.advance(3.0)  # 3.5 s after its accept: still waiting
+    assert transport.written == b""
+    loop.advance(0.75)
+    assert b"too_many_connections" in transport.written
+    waiting.gone()
+    short = RefusedNewcomer(loop, transport := HeldTransport(), 8, take_late=lambda data: False, pace_s=1.0)
+    short.data_received(b"GET /v1/x HTTP/1.1\r\n\r\n")
+    short.wait_in_line(0.2)  # shorter than its pause: the pause stands
+    loop.advance(0.75)
+    assert transport.written == b""
+    loop.advance(0.5)
+    assert b"too_many_connections" in transport.written
+    short.gone()
+
+
+class InLine:
+    """A refused connection, as admission's line sees it: its RefusedNewcomer and a place that
+    the room may give it (``take_late``)."""
+
+    def __init__(self, loop, admission, taken: list, data: bytes):
+        from services.runtime.edge.connection_room import RefusedNewcomer
+        self.name = data.split(b" ")[1].decode()
+        self._refused = RefusedNewcomer(loop, HeldTransport(), 8, take_late=self.take, pace_s=1.0)
+        self.admission, self.taken = admission, taken
+        self._refused.data_received(data)
+        admission.wait_for_place(self, self._refused.waits_with(), loop)
+
+    def take(self, request: bytes) -> bool:
+        from services.runtime.edge.connection_room import OVERFLOW, request_kind
+        a = self.admission
+        admitted = a.room.make_room(a.open_now, 0.0, lambda: request_kind(request))
+        if admitted:
+            a.open_now += 1
+            self.taken.append((self.name, admitted is OVERFLOW))
+        return bool(admitted)
+
+
+def test_the_line_gives_places_oldest_first_and_a_whole_request_may_pass_a_begun_one_for_the_overflow():
+    """A place that comes free goes to the oldest in line; when the oldest has only begun its
+    request (no place within the limit for it), a whole request behind it may take one beyond
+    the limit; probes go before all."""
+    from services.runtime.edge.admission import Admission
+    from services.runtime.edge.connection_limits import ConnectionLimits, ConnectionStats
+
+    loop, taken = FakeLoop(), []
+    a = Admission(ConnectionLimits(max_connections=8), ConnectionStats)
+    a.open_now = 8 + 8  # the places and the overflow: every one busy
+    upload = InLine(loop, a, taken, b"POST /upload HTTP/1.1\r\nContent-Length: 9\r\n\r\nab")
+    first = InLine(loop, a, taken, b"GET /first HTTP/1.1\r\n\r\n")
+    second = InLine(loop, a, taken, b"GET /second HTTP/1.1\r\n\r\n")
+    assert a.line_ahead and taken == []
+    a.open_now -= 1  # an overflow place came free
+    a.offer_place()
+    assert taken == [("/first", True)]  # the upload cannot take it; the first whole request behind it does
+    a.open_now = 7  # the overflow's requests answered, and a place within the limit came free
+    a.offer_place()
+    assert taken == [("/first", True), ("/upload", False), ("/second", True)]
+    assert not a.line_ahead
+    a.open_now = 8 + 8 + 8  # the places, the overflow and the probes' reserve
+    probe = InLine(loop, a, taken, b"GET /healthz HTTP/1.1\r\n\r\n")  # no door here: waits as a probe
+    late = InLine(loop, a, taken, b"GET /late HTTP/1.1\r\n\r\n")
+    a.open_now -= 1
+    loop.advance(0.2)  # the line's tick: a place came free without a close
+    assert taken[3:] == [("/healthz", True)] and a.line_ahead
+    for conn in (upload, first, second, probe, late):
+        conn._refused.gone()
 
 
 def test_every_pool_of_descriptors_fits_under_the_descriptor_limit():
@@ -1049,3 +1130,64 @@ def test_lingering_sockets_ready_together_are_read_one_by_one_within_the_rate():
                 theirs.close()
 
     asyncio.run(scenario())
+
+
+class QueueTransport:
+    """A paused connection's transport: its buffer, and a socket whose kernel queue the test sets."""
+
+    def __init__(self):
+        self.buffered = 64 * 1024
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def get_extra_info(self, name: str):
+        return type("Sock", (), {"fileno": lambda self: 7})() if name == "socket" else None
+
+
+def test_what_a_client_took_is_dated_to_the_look_that_saw_it_not_to_the_question(monkeypatch):
+    """A client that reads nothing: its kernel queue shrinks once just after the writes pause
+    (its receive window filling), then never. That shrink is seen at the first look (a quarter
+    second on), not at the first question 2 s later: asked then, the connection has taken
+    nothing for 1.75 s (it made room only 2 s later, as if it had read something)."""
+    from services.runtime.edge import send_deadline
+    from services.runtime.edge.send_deadline import FIRST_LOOK_S, SendWatch
+
+    kernel = {"queued": 500_000}
+    monkeypatch.setattr(send_deadline, "unsent_bytes", lambda fd: kernel["queued"])
+    loop, transport = FakeLoop(), QueueTransport()
+    watch = SendWatch(loop, transport, 30.0, on_stuck=lambda: None)
+    watch.start()
+    loop.advance(0.1, step=0.05)
+    kernel["queued"] = 430_000  # the client's window took some: once
+    loop.advance(2.0 - 0.1, step=0.05)
+    assert watch.last_taken() == pytest.approx(FIRST_LOOK_S, abs=0.05)
+    kernel["queued"] = 400_000  # a slow reader's next read: dated to now
+    loop.advance(0.5, step=0.05)
+    assert watch.last_taken() == pytest.approx(2.25, abs=0.3)
+
+
+def test_a_connections_kernel_send_queue_is_capped_or_left_to_the_kernel():
+    import socket
+
+    from services.runtime.edge.send_deadline import cap_send_buffer
+
+    class Held:
+        def __init__(self, sock):
+            self.sock = sock
+
+        def get_extra_info(self, name):
+            return self.sock if name == "socket" else None
+
+    a, b = socket.socketpair()
+    try:
+        before = a.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        cap_send_buffer(Held(a), 0)
+        assert a.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == before
+        cap_send_buffer(Held(a), 64 * 1024)
+        assert a.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * 64 * 1024  # Linux doubles it
+        a.close()
+        cap_send_buffer(Held(a), 64 * 1024)  # a closed socket: nothing raised
+    finally:
+        a.close()
+        b.close()

@@ -2,9 +2,10 @@
 
 A newcomer takes the place of the longest idle connection (connection_room); when every
 connection has a request in progress it is refused (503 after a pause, holding no place). A
-refused newcomer whose whole request is in waits for the next place that comes free (probes
-first); a refused probe may be answered at the door. A connection closed to make room is told
-why after the same pause, unless it was kept alive between requests.
+refused newcomer whose request has begun waits in line for the next place that comes free
+(probes first), up to ``connection_queue_timeout_s``; a refused probe may be answered at the
+door. A connection closed to make room is told why after the same pause, unless it was kept
+alive between requests.
 
 ``Admission`` is what the connections of one protocol class share; ``AdmittingConnection`` is
 the protocol's part of it (a mixin: it uses the protocol's parser state and error writer).
@@ -15,64 +16,127 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable
+from itertools import islice
 from typing import Any
 
 from common.socket_queues import has_bytes_waiting
 from services.runtime.edge.connection_limits import ConnectionLimits, ConnectionStats
 from services.runtime.edge.connection_room import (
+    BEGUN,
     OVERFLOW,
     PACE_S,
     PACED_PER_PLACE,
     PROBE,
     ConnectionRoom,
     RefusedNewcomer,
+    read_normally,
     request_kind,
     request_waiting,
     too_many_connections,
 )
 
 IDLE, HEAD, BODY = "idle", "head", "body"  # where the parser is in the latest request
+LINE_TICK_S = 0.1      # the room asked again this often while anyone waits in line
+OFFERS_PER_TURN = 4    # places given in one turn of the loop (the rest in the next turns)
+LOOKED_AT_ONCE = 32    # of the line, looked at for one place
 
 
 class Admission:
-    """The room, the refused newcomers waiting for a place, and the count of connections that
-    made room and wait to be told. Event loop thread only."""
+    """The room, the line of refused newcomers waiting for a place, and the count of connections
+    that made room and wait to be told. Event loop thread only.
+
+    The line: a refused newcomer whose request has begun (a head, a whole request, an upload's
+    first bytes) waits for a place for up to ``connection_queue_timeout_s`` from its accept
+    (HAProxy's ``timeout queue``), then gets its 503. Places go to the oldest first, probes
+    before all; a newcomer that arrives while anyone waits goes behind them (a probe excepted),
+    and the room is asked again every LINE_TICK_S, since what may make room (an idle
+    connection, a stalled body, an unread answer) becomes so with time, not only when a
+    connection ends. One client reconnecting 700 connections at once, each reading nothing,
+    took every place that came free ahead of the clients that waited (95 of 114 legitimate
+    reads got 503): a newcomer could take a place the moment it arrived, a waiting one only
+    when its turn came at a close."""
 
     def __init__(self, limits: ConnectionLimits, stats: type[ConnectionStats],
                  probe_answer: Callable[[bytes], bytes | None] | None = None):
         self.limits, self.stats, self.probe_answer = limits, stats, probe_answer
         self.room = ConnectionRoom(limits.max_connections)
         self.leaving_paced = 0  # connections that made room, waiting to be told and closed
-        # refused newcomers whose whole request is in, waiting for their 503: the next place
-        # that comes free is offered to the oldest (probes first), not only when it is due
-        self._waiting_probes: dict[Any, None] = {}
-        self._waiting_whole: dict[Any, None] = {}
+        self._probes: dict[Any, None] = {}  # refused newcomers with a whole GET of a probe's path
+        self._line: dict[Any, None] = {}    # the others with a request begun, oldest first
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tick: asyncio.TimerHandle | None = None
+        self._next_turn: asyncio.Handle | None = None
 
-    def wait_for_place(self, conn: Any, kind: int) -> None:
-        (self._waiting_probes if kind == PROBE else self._waiting_whole)[conn] = None
+    @property
+    def line_ahead(self) -> bool:
+        """Do newcomers wait for a place? Then one arriving goes behind them."""
+        return bool(self._line)
+
+    def wait_for_place(self, conn: Any, kind: int, loop: asyncio.AbstractEventLoop) -> None:
+        """``conn``, refused, has begun a request (``kind``): into the line, if not there yet,
+        and a place offered at once if one is free for the first in line."""
+        self._loop = loop
+        if kind == PROBE:
+            self._line.pop(conn, None)
+            self._probes[conn] = None
+        elif conn not in self._line:
+            self._line[conn] = None
+        conn._refused.wait_in_line(self.limits.connection_queue_timeout_s)
+        self.offer_place()
 
     def forget(self, conn: Any) -> None:
         self.room.gone(conn)
-        self._waiting_probes.pop(conn, None)
-        self._waiting_whole.pop(conn, None)
+        self._probes.pop(conn, None)
+        self._line.pop(conn, None)
 
     def offer_place(self) -> None:
-        """A place came free: to the oldest waiting whole request, probes first."""
-        for waiting in (self._waiting_probes, self._waiting_whole):
-            while waiting:
-                conn = next(iter(waiting))
-                refused = conn._refused
-                if refused is None or not refused.waits_with():
-                    del waiting[conn]  # answered, taken or gone meanwhile
-                    continue
-                if refused.offer():
-                    del waiting[conn]
-                    return
-                break  # no place for this kind (a probe's reserve came free, say): it keeps its turn
+        """Places to the waiting, for as long as the room gives them: OFFERS_PER_TURN now, the
+        rest in the next turns of the loop (each one taken is a connection set up and its
+        request begun, and an evicted one reset: 64 in one turn held the loop 20-30 ms)."""
+        for _ in range(OFFERS_PER_TURN):
+            if not (self._offer(self._probes) or self._offer(self._line)):
+                break
+        else:
+            if self._next_turn is None and self._loop is not None:
+                self._next_turn = self._loop.call_soon(self._on_next_turn)
+        self._arm()
+
+    def _on_next_turn(self) -> None:
+        self._next_turn = None
+        self.offer_place()
+
+    def _offer(self, queue: dict[Any, None]) -> bool:
+        """A place to the first of ``queue`` that the room takes: the oldest, or, when it has
+        only begun its request (no place within the limit for it), the next whole request, which
+        may take one beyond the limit. Answered or gone ones are dropped as they are met."""
+        head_failed = False
+        for conn in list(islice(queue, LOOKED_AT_ONCE)):
+            refused = conn._refused
+            kind = refused.waits_with() if refused is not None else 0
+            if not kind:
+                del queue[conn]  # answered, taken or gone meanwhile
+                continue
+            if head_failed and kind == BEGUN:
+                continue
+            if refused.offer():
+                del queue[conn]
+                return True
+            if head_failed or kind != BEGUN:
+                return False  # no place, nor any beyond the limit: the rest keep their turns
+            head_failed = True
+        return False
+
+    def _arm(self) -> None:
+        if self._tick is None and self._loop is not None and (self._probes or self._line):
+            self._tick = self._loop.call_later(LINE_TICK_S, self._on_tick)
+
+    def _on_tick(self) -> None:
+        self._tick = None
+        self.offer_place()
 
     @property
     def anyone_waiting(self) -> bool:
-        return bool(self._waiting_probes or self._waiting_whole)
+        return bool(self._probes or self._line)
 
 
 class AdmittingConnection:
@@ -87,8 +151,12 @@ class AdmittingConnection:
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         a = self.admission
-        admitted = a.room.make_room(len(self.connections), self.loop.time(),
-                                    lambda: request_kind(request_waiting(transport)))
+        if a.line_ahead:  # behind those waiting for a place, unless a probe
+            kind = request_kind(request_waiting(transport))
+            admitted = kind == PROBE and a.room.make_room(len(self.connections), self.loop.time(), lambda: kind)
+        else:
+            admitted = a.room.make_room(len(self.connections), self.loop.time(),
+                                        lambda: request_kind(request_waiting(transport)))
         if not admitted:
             a.stats.refused += 1
             self.transport = transport
@@ -107,8 +175,9 @@ class AdmittingConnection:
         return answer
 
     def _take_late(self, request: bytes) -> bool:
-        """A refused newcomer's whole request came after its connection was accepted (a
-        probe that connects, then writes): taken as if it had come first, if there is room."""
+        """A refused newcomer's turn in the line (its request begun, perhaps whole): taken,
+        if the room has a place for it, as if it had come first (beyond the limit only if
+        whole); what it sent is read as the connection's first bytes, the rest from its socket."""
         a = self.admission
         admitted = a.room.make_room(len(self.connections), self.loop.time(), lambda: request_kind(request))
         if not admitted:
@@ -118,6 +187,8 @@ class AdmittingConnection:
         self._refused = None
         self._broken = False
         self._admit(self.transport, admitted is OVERFLOW, read_now=False)  # what it sent first goes first
+        read_normally(self.transport)
+        self.transport.resume_reading()  # paused when its first bytes filled a head's worth
         self.data_received(request)
         return True
 
@@ -126,7 +197,7 @@ class AdmittingConnection:
         self._refused.data_received(data)
         kind = self._refused.waits_with() if self._refused is not None else 0
         if kind:
-            self.admission.wait_for_place(self, kind)
+            self.admission.wait_for_place(self, kind, self.loop)
 
     def give_way(self) -> None:
         """Closed to make room for a newcomer (connection_room): silently when idle, with a

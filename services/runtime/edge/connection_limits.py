@@ -18,6 +18,8 @@ class ConnectionLimits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     send_timeout_s: float = 30.0
+    connection_queue_timeout_s: float = 4.0
+    send_buffer_bytes: int = 256 * 1024
     max_pipelined_requests: int = 16
     max_body_bytes: int = 20 * 2**20
     min_body_rate_bytes_s: int = 64 * 1024

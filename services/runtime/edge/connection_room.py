@@ -43,6 +43,7 @@ import asyncio
 import random
 import time
 from collections.abc import Callable
+from itertools import islice
 from typing import Any, Protocol
 
 from common.http1 import whole_request
@@ -60,6 +61,7 @@ QUICK_OVERFLOW = 1 / 8  # of the limit: newcomers with a whole request taken bey
 OVERFLOW = 2            # make_room's answer for a newcomer taken beyond the limit (True: within it)
 PROBE_RESERVE = 8       # beyond the overflow, for probes only: clients' own whole requests filled it
 WHOLE, PROBE = 1, 2     # what quick() may say of a newcomer's bytes (0: not a whole request)
+BEGUN = 3               # what a refused newcomer waits with: a request begun, not whole (a head, an upload)
 PROBE_TARGETS = frozenset({b"/healthz", b"/readyz"})
 PACED_PER_PLACE = 2      # refusals waiting (or lingering) at once, and connections told after making room, each
                          # up to this many times max_connections: beyond, at once (1500 reconnecting clients
@@ -145,7 +147,7 @@ class ConnectionRoom:
     def _unread_answer(self, now: float) -> Evictable | None:
         """Of the answers waiting longest on their clients, the first whose client has taken
         nothing of it for STALLED_ANSWER_S (a slow reader keeps taking some: it stays)."""
-        for conn, paused_at in list(self._unread.items())[:STALLED_SCAN]:
+        for conn, paused_at in list(islice(self._unread.items(), STALLED_SCAN)):
             if now - paused_at < STALLED_ANSWER_S:
                 return None  # the rest paused later
             since = conn.unread_since()
@@ -219,6 +221,18 @@ def request_waiting(transport: Any) -> bytes:
     return waiting_bytes(fd, READ_AT_ONCE_BYTES)
 
 
+def read_small(transport: Any) -> None:
+    """Its reads in pieces of READ_AT_ONCE_BYTES, not asyncio's 256 KiB: a refused newcomer keeps
+    what it reads until its turn (a thousand of them, a few MiB). CPython's selector transport
+    reads ``max_size`` at a time; another transport reads as it does."""
+    if isinstance(getattr(type(transport), "max_size", None), int):
+        transport.max_size = READ_AT_ONCE_BYTES
+
+
+def read_normally(transport: Any) -> None:
+    getattr(transport, "__dict__", {}).pop("max_size", None)
+
+
 def request_kind(data: bytes) -> int:
     """0 unless ``data`` is one whole request (whole_request); PROBE for a GET of a probe's
     path, else WHOLE."""
@@ -241,23 +255,26 @@ class RefusedNewcomer:
     (detect p99 186-443 ms). Paused, each costs a timer and its descriptor, and comes back
     at most about once a second.
 
-    While it waits, what it sends is looked at (up to READ_AT_ONCE_BYTES, then reading
-    pauses): a whole request that arrives after its connection was accepted (a probe that
-    connects, then writes) is handed to ``take_late`` and may still be taken beyond the
-    limit, as it would have been had its bytes come first. Then the 503, a half-close, and a
-    lingering close (what the client sends is dropped; closed on its EOF or after LINGER_S):
-    closing with unread data sends a reset that destroys the 503 before the client reads it.
+    While it waits, what it sends is kept (READ_AT_ONCE_BYTES or so, read in small pieces,
+    then reading pauses and the rest waits in the socket): once a request has begun it waits
+    in the admission's line (admission.py) for the next place, up to the line's timeout, and
+    is handed to ``take_late`` when its turn comes (``offer``), a whole request possibly
+    beyond the limit, as it would have been had its bytes come first. Then, if no place came,
+    the 503, a half-close, and a lingering close (what the client sends is dropped; closed on
+    its EOF or after LINGER_S): closing with unread data sends a reset that destroys the 503
+    before the client reads it.
     Bounded: past PACED_PER_PLACE x the connection limit refused connections waiting or
     lingering at once, the one waiting longest is answered early; past twice that, the next
     one is answered and closed at once."""
 
     __slots__ = ("_loop", "_transport", "_limit", "_timer", "_counted", "_seen", "_take_late", "_answered",
-                 "_answer_probe")
+                 "_answer_probe", "_since", "_due")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport, limit: int,
                  take_late: Callable[[bytes], bool] | None = None, pace_s: float | None = None,
                  answer_probe: Callable[[bytes], bytes | None] | None = None):
         self._loop, self._transport, self._limit = loop, transport, limit
+        self._since = loop.time()
         self._timer: asyncio.TimerHandle | None = None
         self._counted = False
         self._seen = b""
@@ -283,8 +300,10 @@ class RefusedNewcomer:
             return
         _lingering[0] += 1
         self._counted = True
+        read_small(transport)  # what it sends before its turn is kept: a head's worth, not 256 KiB
         if pace_s is None:
             pace_s = random.uniform(*PACE_S)
+        self._due = self._since + pace_s
         self._timer = loop.call_later(pace_s, self._answer)
         _waiting[self] = None
 
@@ -296,29 +315,38 @@ class RefusedNewcomer:
         return self._answer_probe(data) if request_kind(data) == PROBE else None
 
     def data_received(self, data: bytes) -> None:
-        """Bytes from the client: dropped once answered; while it waits, a whole request
-        may still be taken (``take_late``)."""
+        """Bytes from the client: dropped once answered; while it waits, kept for its turn
+        (READ_AT_ONCE_BYTES of them, the rest left in the socket). A whole GET /healthz is
+        answered at once, at the door."""
         if self._answered or self._take_late is None:
             return
         self._seen += data
-        if len(self._seen) > READ_AT_ONCE_BYTES:  # not a probe: its bytes wait in the socket
-            self._seen, self._take_late = b"", None
+        if len(self._seen) >= READ_AT_ONCE_BYTES:  # not a probe: the rest waits in the socket
             self._transport.pause_reading()
-            return
-        if not whole_request(self._seen):
-            return
-        reply = self._answer_probe(self._seen) if self._answer_probe is not None else None
-        if reply is not None:
-            self._write_and_linger(reply)
-        elif self._take_late(self._seen):
-            self.gone()
+        if self._answer_probe is not None and whole_request(self._seen):
+            reply = self._answer_probe(self._seen)
+            if reply is not None:
+                self._write_and_linger(reply)
 
     def waits_with(self) -> int:
-        """request_kind of what it sent, while it waits for its 503 (0 once answered)."""
-        return 0 if self._answered or self._take_late is None else request_kind(self._seen)
+        """What it sent, while it waits for its 503: request_kind of it, or BEGUN for a request
+        begun (0 once answered, or when it sent nothing)."""
+        if self._answered or self._take_late is None or not self._seen:
+            return 0
+        return request_kind(self._seen) or BEGUN
+
+    def wait_in_line(self, wait_s: float) -> None:
+        """Its request has begun: its 503 waits until ``wait_s`` after it was accepted, if that
+        is later than its pause, for a place to come free (admission's line)."""
+        if self._timer is None or self._answered:
+            return
+        if self._since + wait_s > self._due:
+            self._due = self._since + wait_s
+            self._timer.cancel()
+            self._timer = self._loop.call_later(self._due - self._loop.time(), self._answer)
 
     def offer(self) -> bool:
-        """A place came free: take it, if its whole request is in. Whether it did."""
+        """A place came free: take it, if a request has begun. Whether it did."""
         if self.waits_with() and not self._transport.is_closing() and self._take_late(self._seen):
             self.gone()
             return True
@@ -347,6 +375,7 @@ class RefusedNewcomer:
         self._answered = True
         self._seen = b""
         transport = self._transport
+        read_normally(transport)  # drained and dropped: in big reads
         transport.write(answer)
         try:
             transport.write_eof()

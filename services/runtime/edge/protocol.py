@@ -46,7 +46,7 @@ from services.runtime.edge.expect_continue import close_if_refused_before_contin
 from services.runtime.edge.lingering_close import LingeringClose
 from services.runtime.edge.read_turns import ReadTurns, TurnedFlowControl, read_at_once
 from services.runtime.edge.receive_deadlines import ReceiveDeadlines
-from services.runtime.edge.send_deadline import KernelQueueLinger, SendWatch, reset
+from services.runtime.edge.send_deadline import KernelQueueLinger, SendWatch, cap_send_buffer, reset
 from services.runtime.edge.start_turns import PendingStart, StartTurns, is_probe
 from services.runtime.edge.upgrade_header import without_upgrade
 
@@ -128,6 +128,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             HttpToolsProtocol.connection_made(self, transport)  # AdmittingConnection's decided this
             self.flow = TurnedFlowControl(transport, turns, self.loop)  # before any request takes it
             room.arrived(self, transport)
+            cap_send_buffer(transport, limits.send_buffer_bytes)
             self._send_watch = SendWatch(self.loop, transport, limits.send_timeout_s, self._on_send_stuck)
             self._body_rate = BodyRate(self.loop, limits.min_body_rate_bytes_s, limits.body_rate_grace_s,
                                        lambda: self._body_bytes, self._client_waits, self._on_body_too_slow)
@@ -143,7 +144,9 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 room.body_arriving(self, self._last_read_at)
             elif (self._phase == BODY or self.pipeline or self._earlier_answers_pending()
                     or (self.cycle is not None and not self.cycle.response_complete)):
-                if self._paused_at is not None and self._phase != BODY:
+                # an answer begun before its request's body is in counts too: 600 clients sending
+                # GET with a 50 MB body at 2 kB/s and reading none of the answer held every place
+                if self._paused_at is not None and (self._phase != BODY or self.cycle.response_started):
                     room.answer_unread(self, self._paused_at)
                 else:
                     room.busy(self)
