@@ -91,8 +91,9 @@ class Admission:
 
     def offer_place(self) -> None:
         """Places to the waiting, for as long as the room gives them: OFFERS_PER_TURN now, the
-        rest in the next turns of the loop (each one taken is a connection set up and its
-        request begun, and an evicted one reset: 64 in one turn held the loop 20-30 ms)."""
+        rest in the next turns of the loop (each one taken is a connection set up, its request
+        begun and perhaps another reset: a few a turn, so that the probes come round between
+        them, as the door sets up SETUPS_PER_TURN a turn)."""
         for _ in range(OFFERS_PER_TURN):
             if not (self._offer(self._probes) or self._offer(self._line)):
                 break
