@@ -34,7 +34,7 @@ OURS = ("GuardedHttpProtocol", "_SelectorSocketTransport", "RequestResponseCycle
 
 @contextlib.contextmanager
 def serving(limits: ConnectionLimits, pace_s: tuple[float, float] | None = None,
-            keep_alive_s: float = 5.0, starts_per_turn: int | None = None) -> Iterator[int]:
+            keep_alive_s: float = 5.0, starts_per_turn: int | None = None, bodies=None) -> Iterator[int]:
     """uvicorn with the guarded protocol on a thread of this process: its port; stopped on the
     way out, even when the test fails."""
     # uvicorn is handed the bound socket: a port closed here and bound again by uvicorn could be
@@ -42,7 +42,7 @@ def serving(limits: ConnectionLimits, pace_s: tuple[float, float] | None = None,
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    protocol = guarded_protocol(limits)
+    protocol = guarded_protocol(limits, bodies=bodies)
     if pace_s is not None:
         protocol.pace_s = pace_s
     if starts_per_turn is not None:

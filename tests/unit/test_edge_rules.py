@@ -1191,3 +1191,32 @@ def test_a_connections_kernel_send_queue_is_capped_or_left_to_the_kernel():
     finally:
         a.close()
         b.close()
+
+
+def test_the_heap_is_trimmed_once_a_burst_of_request_bodies_is_over():
+    """Trimmed when the bodies being read, having reached the burst size, fall to a tenth of
+    their peak; not for a small one; at most once every MIN_INTERVAL_S."""
+    from services.runtime.edge.body_bytes import MIN_INTERVAL_S, BodyBytes
+
+    clock, trims = FakeLoop(), []
+    bodies = BodyBytes(lambda: trims.append(clock.now), burst_bytes=1000, clock=clock.time)
+    for _ in range(9):
+        bodies.read(100)
+    for _ in range(9):
+        bodies.let_go(100)
+    assert trims == []  # 900 bytes at most: no burst
+    for _ in range(20):
+        bodies.read(100)
+    for _ in range(17):
+        bodies.let_go(100)
+    assert trims == [] and bodies.held == 300  # still over a tenth of the 2000 held at the peak
+    bodies.let_go(100)
+    assert trims == [0.0] and bodies.trims == 1
+    bodies.let_go(200)
+    bodies.read(5000)
+    bodies.let_go(5000)
+    assert trims == [0.0]  # a second burst within MIN_INTERVAL_S
+    clock.now += MIN_INTERVAL_S
+    bodies.read(5000)
+    bodies.let_go(5000)
+    assert trims == [0.0, MIN_INTERVAL_S] and bodies.held == 0

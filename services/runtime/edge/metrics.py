@@ -10,8 +10,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 class EdgeCollector:
-    def __init__(self, stats, limiter, linger):
-        self.stats, self.limiter, self.linger = stats, limiter, linger
+    def __init__(self, stats, limiter, linger, bodies=None):
+        self.stats, self.limiter, self.linger, self.bodies = stats, limiter, linger, bodies
 
     def collect(self):
         for name, value, text in (
@@ -51,6 +51,12 @@ class EdgeCollector:
                  "Requests refused (429) because their address failed auth_max_failures times.")):
             fam = CounterMetricFamily(name, text)
             fam.add_metric([], value)
+            yield fam
+        if self.bodies is not None:
+            fam = CounterMetricFamily("onecard_heap_trims_after_uploads",
+                                      "Heap given back to the kernel once a burst of request bodies (64 MiB or more "
+                                      "read at once) was over.")
+            fam.add_metric([], self.bodies.trims)
             yield fam
         gauge = GaugeMetricFamily("onecard_unread_answer_sockets",
                                   "Closed connections whose answer is still draining from the kernel.")

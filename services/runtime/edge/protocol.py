@@ -39,6 +39,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from common.socket_queues import has_bytes_waiting
 from services.runtime.edge.admission import BODY, HEAD, IDLE, Admission, AdmittingConnection
+from services.runtime.edge.body_bytes import BodyBytes
 from services.runtime.edge.body_pace import BodyRate, chunks_too_small, framing_too_large
 from services.runtime.edge.connection_limits import ConnectionLimits, ConnectionStats, Refusal, error_bytes
 from services.runtime.edge.connection_room import RefusedNewcomer
@@ -73,10 +74,14 @@ def _nothing() -> None:
 
 def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = ConnectionStats,
                      linger: KernelQueueLinger | None = None,
-                     probe_answer: Callable[[bytes], bytes | None] | None = None) -> type:
+                     probe_answer: Callable[[bytes], bytes | None] | None = None,
+                     bodies: BodyBytes | None = None) -> type:
     """A protocol class for uvicorn's ``http=`` setting, bound to these limits.
     ``probe_answer``: the whole answer to a probe's request (or None for any other) that a
-    newcomer refused at max_connections gets at once, needing no place."""
+    newcomer refused at max_connections gets at once, needing no place. ``bodies``: the tally
+    of request bodies being read (body_bytes: the heap trimmed after a burst)."""
+    if bodies is None:
+        bodies = BodyBytes()
     if linger is None:
         linger = KernelQueueLinger(limits.send_timeout_s, limits.max_connections)
     admission = Admission(limits, stats, probe_answer)
@@ -119,6 +124,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
             self._head_tail = b""      # the last bytes of the previous read (upgrade_header)
             self._overflow = False     # taken beyond max_connections with a whole request
             self._body_data = 0        # its bytes without the framing
+            self._body_held = 0        # of those, counted in ``bodies`` and not let go yet
             self._leave_timer: asyncio.TimerHandle | None = None  # made room: told and closed then
             self._paused_at: float | None = None  # writing paused on the client since (loop time)
 
@@ -169,6 +175,7 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self._let_go_of_body()
             if self._admission_lost():
                 self.parser = None  # never used; it holds this protocol's callbacks
                 self._let_go()
@@ -488,6 +495,8 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
 
         def on_body(self, body: bytes) -> None:
             self._body_data += len(body)
+            self._body_held += len(body)
+            bodies.read(len(body))
             cycle = self.cycle
             if cycle.body or cycle.response_complete or self.parser.should_upgrade():
                 super().on_body(body)
@@ -499,7 +508,13 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
                 self.flow.pause_reading()
             cycle.message_event.set()
 
+        def _let_go_of_body(self) -> None:
+            if self._body_held:
+                bodies.let_go(self._body_held)
+                self._body_held = 0
+
         def on_message_complete(self) -> None:
+            self._let_go_of_body()
             self._phase = IDLE
             if self._body_rate is not None:
                 self._body_rate.stop()
@@ -508,4 +523,5 @@ def guarded_protocol(limits: ConnectionLimits, stats: type[ConnectionStats] = Co
     GuardedHttpProtocol.admission = admission
     GuardedHttpProtocol.lingering = lingering  # shared by its connections: seen by /metrics and tests
     GuardedHttpProtocol.starts = starts
+    GuardedHttpProtocol.bodies = bodies
     return GuardedHttpProtocol

@@ -177,8 +177,10 @@ def main() -> int:
 
     import uvicorn
 
+    from common.hostmemory import trim_heap
     from services.runtime.device.threads import raise_loop_priority
     from services.runtime.edge.auth_failures import AuthFailureGate, FailureLimiter
+    from services.runtime.edge.body_bytes import BodyBytes
     from services.runtime.edge.connection_limits import limits_from_settings
     from services.runtime.edge.door import Door
     from services.runtime.edge.metrics import EdgeCollector
@@ -191,8 +193,9 @@ def main() -> int:
     settings = getattr(shell, "settings", None)
     limits = limits_from_settings(settings, fds)
     linger = KernelQueueLinger(limits.send_timeout_s, limits.max_connections)
+    bodies = BodyBytes(lambda: asyncio.get_running_loop().run_in_executor(None, trim_heap))
     if shell is not None:
-        shell.metrics.registry.register(EdgeCollector(ConnectionStats, shell.limiter, linger))
+        shell.metrics.registry.register(EdgeCollector(ConnectionStats, shell.limiter, linger, bodies))
         app = answering_ahead(app, shell)
     else:  # an ASGI app built without the shell: credential guessing is still slowed down
         app = AuthFailureGate(app, FailureLimiter(10, 60.0))
@@ -208,7 +211,7 @@ def main() -> int:
         timeout_graceful_shutdown=drain_s,
         timeout_keep_alive=getattr(settings, "keepalive_timeout_s", 5.0),
         lifespan="on",
-        http=guarded_protocol(limits, linger=linger, probe_answer=door_answer),
+        http=guarded_protocol(limits, linger=linger, probe_answer=door_answer, bodies=bodies),
         ws="none",  # no route takes a WebSocket; an installed library must not bypass the guarded protocol
         backlog=min(2048, limits.max_connections * 2),
     )
