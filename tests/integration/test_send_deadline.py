@@ -156,10 +156,11 @@ def test_a_slow_but_steady_reader_gets_its_whole_answer(svc):
 
 
 def test_an_answer_left_unread_in_the_kernel_is_reset_after_the_connection_closes(svc):
-    """2 MiB fits in the kernel's queue: the app is done, the keep-alive expires, and the
-    closed socket would otherwise keep the bytes and probe the client for minutes."""
+    """300 KiB fits in the kernel's queue (send_buffer_bytes, 256 KiB, doubled by Linux): the
+    app is done, the keep-alive expires, and the closed socket would otherwise keep the bytes
+    and probe the client for minutes."""
     resets_before = metric(svc, "onecard_unread_answers_reset_total")
-    s = ask_and_never_read(svc, "/big?mb=2")
+    s = ask_and_never_read(svc, "/big?mb=0.3")
     try:
         wait_for(lambda: send_queue_bytes(svc.port) > 64 * 1024, 10, "the answer in the kernel's queue")
         wait_for(lambda: send_queue_bytes(svc.port) == 0, SEND_TIMEOUT_S * 4 + 10, "the queue dropped")
