@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -733,6 +734,9 @@ class HeldTransport:
     def resume_reading(self) -> None:
         self.paused = False
 
+    def get_extra_info(self, name: str):
+        return None
+
 
 class ResetTransport(HeldTransport):
     """What a refused newcomer's transport does when its client reset the connection between
@@ -926,10 +930,11 @@ class InLine:
     """A refused connection, as admission's line sees it: its RefusedNewcomer and a place that
     the room may give it (``take_late``)."""
 
-    def __init__(self, loop, admission, taken: list, data: bytes):
+    def __init__(self, loop, admission, taken: list, data: bytes, limit: int = 8):
         from services.runtime.edge.connection_room import RefusedNewcomer
         self.name = data.split(b" ")[1].decode()
-        self._refused = RefusedNewcomer(loop, HeldTransport(), 8, take_late=self.take, pace_s=1.0)
+        # (``limit`` bounds the refusals waiting at once: PACED_PER_PLACE of it)
+        self._refused = RefusedNewcomer(loop, HeldTransport(), limit, take_late=self.take, pace_s=1.0)
         self.admission, self.taken = admission, taken
         self._refused.data_received(data)
         admission.wait_for_place(self, self._refused.waits_with(), loop)
@@ -1164,7 +1169,7 @@ def test_what_a_client_took_is_dated_to_the_look_that_saw_it_not_to_the_question
     assert watch.last_taken() == pytest.approx(FIRST_LOOK_S, abs=0.05)
     kernel["queued"] = 400_000  # a slow reader's next read: dated to now
     loop.advance(0.5, step=0.05)
-    assert watch.last_taken() == pytest.approx(2.25, abs=0.3)
+    assert watch.last_taken() == pytest.approx(2.25, abs=0.1)  # the tick at 2.25 s saw it
 
 
 def test_a_connections_kernel_send_queue_is_capped_or_left_to_the_kernel():
@@ -1220,3 +1225,63 @@ def test_the_heap_is_trimmed_once_a_burst_of_request_bodies_is_over():
     bodies.read(5000)
     bodies.let_go(5000)
     assert trims == [0.0, MIN_INTERVAL_S] and bodies.held == 0
+    # with the loop's call_later, a burst over too soon is trimmed when the interval is up
+    put_off = FakeLoop()
+    put_off.now = clock.now = 100.0
+    bodies = BodyBytes(lambda: trims.append(put_off.now), burst_bytes=1000, clock=put_off.time,
+                       later=put_off.call_later)
+    for _ in range(2):
+        bodies.read(5000)
+        bodies.let_go(5000)
+    assert trims[2:] == [100.0]
+    put_off.advance(MIN_INTERVAL_S + 0.5)
+    assert trims[2:] == [100.0, 100.0 + MIN_INTERVAL_S] and len(put_off.timers) == 0
+
+
+def test_a_whole_request_behind_many_begun_uploads_takes_a_place_beyond_the_limit():
+    """helper-56: the line was looked at 32 entries deep: a GET behind 40 uploads that had
+    only begun never saw the overflow place that came free, and waited for its 503."""
+    from services.runtime.edge.admission import Admission
+    from services.runtime.edge.connection_limits import ConnectionLimits, ConnectionStats
+
+    loop, taken = FakeLoop(), []
+    a = Admission(ConnectionLimits(max_connections=8), ConnectionStats)
+    a.open_now = 8 + 8
+    uploads = [InLine(loop, a, taken, f"POST /up{i} HTTP/1.1\r\nContent-Length: 9\r\n\r\nab".encode(), 64)
+               for i in range(40)]
+    get = InLine(loop, a, taken, b"GET /small HTTP/1.1\r\n\r\n", 64)
+    a.open_now -= 1  # an overflow place came free
+    a.offer_place()
+    assert taken == [("/small", True)]
+    assert a.line_ahead
+    for conn in (*uploads, get):
+        conn._refused.gone()
+
+
+def test_a_refused_newcomer_whose_client_left_is_closed_not_taken():
+    """Its reading paused, the client's close is not seen: taken, it would have made a live
+    connection give way for nobody (helper-56). Its TCP state says the client left."""
+    import socket
+
+    from services.runtime.edge.connection_room import RefusedNewcomer
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    client = socket.create_connection(listener.getsockname())
+    ours, _ = listener.accept()
+    try:
+        loop, offered = FakeLoop(), []
+        refused = RefusedNewcomer(loop, transport := SocketHeldTransport(ours), 8,
+                                  take_late=lambda data: offered.append(data) or True, pace_s=1.0)
+        refused.data_received(b"POST /a HTTP/1.1\r\nContent-Length: 99999\r\n\r\n" + b"x" * 20000)
+        assert transport.paused  # what comes next waits in the socket, unread
+        client.close()
+        time.sleep(0.05)
+        assert not refused.offer() and offered == [] and transport.closed
+        assert refused.waits_with() == 0  # out of the line
+        refused.gone()
+    finally:
+        client.close()
+        ours.close()
+        listener.close()

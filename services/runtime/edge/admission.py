@@ -16,17 +16,16 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable
-from itertools import islice
 from typing import Any
 
 from common.socket_queues import has_bytes_waiting
 from services.runtime.edge.connection_limits import ConnectionLimits, ConnectionStats
 from services.runtime.edge.connection_room import (
-    BEGUN,
     OVERFLOW,
     PACE_S,
     PACED_PER_PLACE,
     PROBE,
+    WHOLE,
     ConnectionRoom,
     RefusedNewcomer,
     read_normally,
@@ -38,7 +37,6 @@ from services.runtime.edge.connection_room import (
 IDLE, HEAD, BODY = "idle", "head", "body"  # where the parser is in the latest request
 LINE_TICK_S = 0.1      # the room asked again this often while anyone waits in line
 OFFERS_PER_TURN = 4    # places given in one turn of the loop (the rest in the next turns)
-LOOKED_AT_ONCE = 32    # of the line, looked at for one place
 
 
 class Admission:
@@ -63,31 +61,45 @@ class Admission:
         self.leaving_paced = 0  # connections that made room, waiting to be told and closed
         self._probes: dict[Any, None] = {}  # refused newcomers with a whole GET of a probe's path
         self._line: dict[Any, None] = {}    # the others with a request begun, oldest first
+        self._whole: dict[Any, None] = {}   # of those, the whole requests (which may take the overflow)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tick: asyncio.TimerHandle | None = None
         self._next_turn: asyncio.Handle | None = None
 
     @property
     def line_ahead(self) -> bool:
-        """Do newcomers wait for a place? Then one arriving goes behind them."""
-        return bool(self._line)
+        """Do newcomers wait for a place? Then one arriving goes behind them. (The first ones,
+        answered or taken since, are dropped now: left until the next tick they refused every
+        newcomer meanwhile.)"""
+        while self._line:
+            conn = next(iter(self._line))
+            if conn._refused is not None and conn._refused.waits_with():
+                return True
+            self._drop(conn)
+        return False
+
+    def _drop(self, conn: Any) -> None:
+        self._line.pop(conn, None)
+        self._whole.pop(conn, None)
 
     def wait_for_place(self, conn: Any, kind: int, loop: asyncio.AbstractEventLoop) -> None:
         """``conn``, refused, has begun a request (``kind``): into the line, if not there yet,
         and a place offered at once if one is free for the first in line."""
         self._loop = loop
         if kind == PROBE:
-            self._line.pop(conn, None)
+            self._drop(conn)
             self._probes[conn] = None
-        elif conn not in self._line:
-            self._line[conn] = None
+        else:
+            self._line.setdefault(conn, None)
+            if kind == WHOLE:
+                self._whole.setdefault(conn, None)
         conn._refused.wait_in_line(self.limits.connection_queue_timeout_s)
         self.offer_place()
 
     def forget(self, conn: Any) -> None:
         self.room.gone(conn)
         self._probes.pop(conn, None)
-        self._line.pop(conn, None)
+        self._drop(conn)
 
     def offer_place(self) -> None:
         """Places to the waiting, for as long as the room gives them: OFFERS_PER_TURN now, the
@@ -95,7 +107,7 @@ class Admission:
         begun and perhaps another reset: a few a turn, so that the probes come round between
         them, as the door sets up SETUPS_PER_TURN a turn)."""
         for _ in range(OFFERS_PER_TURN):
-            if not (self._offer(self._probes) or self._offer(self._line)):
+            if not (self._offer_probe() or self._offer_line()):
                 break
         else:
             if self._next_turn is None and self._loop is not None:
@@ -106,26 +118,42 @@ class Admission:
         self._next_turn = None
         self.offer_place()
 
-    def _offer(self, queue: dict[Any, None]) -> bool:
-        """A place to the first of ``queue`` that the room takes: the oldest, or, when it has
-        only begun its request (no place within the limit for it), the next whole request, which
-        may take one beyond the limit. Answered or gone ones are dropped as they are met."""
-        head_failed = False
-        for conn in list(islice(queue, LOOKED_AT_ONCE)):
-            refused = conn._refused
-            kind = refused.waits_with() if refused is not None else 0
-            if not kind:
-                del queue[conn]  # answered, taken or gone meanwhile
-                continue
-            if head_failed and kind == BEGUN:
-                continue
-            if refused.offer():
-                del queue[conn]
-                return True
-            if head_failed or kind != BEGUN:
-                return False  # no place, nor any beyond the limit: the rest keep their turns
-            head_failed = True
+    def _offer_probe(self) -> bool:
+        conn = self._first(self._probes)
+        if conn is not None and conn._refused.offer():
+            del self._probes[conn]
+            return True
         return False
+
+    def _offer_line(self) -> bool:
+        """A place to the oldest in line; failing that, when it has only begun its request (no
+        place within the limit for it), to the oldest whole request, which may take one beyond
+        the limit (a GET behind 32 uploads waited for its 503 before)."""
+        conn = self._first(self._line)
+        if conn is None:
+            return False
+        if conn._refused.offer():
+            self._drop(conn)
+            return True
+        if conn in self._whole:
+            return False  # no place, nor any beyond the limit: the rest keep their turns
+        whole = self._first(self._whole)
+        if whole is not None and whole._refused.offer():
+            self._drop(whole)
+            return True
+        return False
+
+    def _first(self, queue: dict[Any, None]) -> Any:
+        """The first of ``queue`` still waiting; those answered, taken or gone meanwhile dropped."""
+        while queue:
+            conn = next(iter(queue))
+            if conn._refused is not None and conn._refused.waits_with():
+                return conn
+            if queue is self._probes:
+                del queue[conn]
+            else:
+                self._drop(conn)
+        return None
 
     def _arm(self) -> None:
         if self._tick is None and self._loop is not None and (self._probes or self._line):
@@ -185,7 +213,8 @@ class AdmittingConnection:
             return False
         a.stats.refused -= 1
         a.stats.taken_late += 1
-        self._refused = None
+        refused, self._refused = self._refused, None
+        refused.gone()  # its 503 timer and its count end here, whatever happens below
         self._broken = False
         self._admit(self.transport, admitted is OVERFLOW, read_now=False)  # what it sent first goes first
         read_normally(self.transport)

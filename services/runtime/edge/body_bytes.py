@@ -22,13 +22,18 @@ MIN_INTERVAL_S = 5.0
 
 
 class BodyBytes:
+    """``later(delay, fn)``: how a trim put off for MIN_INTERVAL_S is run when it is due (the
+    loop's call_later); without it, the next body let go after that runs it."""
+
     def __init__(self, on_burst_over: Callable[[], None] | None = None, burst_bytes: int = BURST_BYTES,
-                 clock: Callable[[], float] = time.monotonic):
-        self.on_burst_over, self.burst_bytes, self.clock = on_burst_over, burst_bytes, clock
+                 clock: Callable[[], float] = time.monotonic,
+                 later: Callable[[float, Callable[[], None]], object] | None = None):
+        self.on_burst_over, self.burst_bytes, self.clock, self.later = on_burst_over, burst_bytes, clock, later
         self.held = 0        # bytes of the bodies being read
         self.peak = 0        # the most held since the last trim
         self.trims = 0
         self._trimmed_at = float("-inf")
+        self._put_off = False
 
     def read(self, n: int) -> None:
         self.held += n
@@ -37,10 +42,23 @@ class BodyBytes:
 
     def let_go(self, n: int) -> None:
         self.held -= n
-        if (self.peak >= self.burst_bytes and self.held * 10 <= self.peak
-                and self.clock() - self._trimmed_at >= MIN_INTERVAL_S):
-            self.peak = self.held
-            self._trimmed_at = self.clock()
-            self.trims += 1
-            if self.on_burst_over is not None:
-                self.on_burst_over()
+        if not (self.peak >= self.burst_bytes and self.held * 10 <= self.peak):
+            return
+        wait = self._trimmed_at + MIN_INTERVAL_S - self.clock()
+        if wait <= 0:
+            self._trim()
+        elif self.later is not None and not self._put_off:  # a burst over too soon after the last
+            self._put_off = True
+            self.later(wait, self._trim_if_over)
+
+    def _trim_if_over(self) -> None:
+        self._put_off = False
+        if self.peak >= self.burst_bytes and self.held * 10 <= self.peak:
+            self._trim()
+
+    def _trim(self) -> None:
+        self.peak = self.held
+        self._trimmed_at = self.clock()
+        self.trims += 1
+        if self.on_burst_over is not None:
+            self.on_burst_over()

@@ -47,7 +47,7 @@ from itertools import islice
 from typing import Any, Protocol
 
 from common.http1 import whole_request
-from common.socket_queues import has_bytes_waiting, waiting_bytes
+from common.socket_queues import TCP_CLOSE, TCP_CLOSE_WAIT, has_bytes_waiting, tcp_state, waiting_bytes
 from services.runtime.edge.connection_limits import error_bytes
 from services.runtime.edge.read_turns import READ_AT_ONCE_BYTES
 
@@ -346,8 +346,17 @@ class RefusedNewcomer:
             self._timer = self._loop.call_later(self._due - self._loop.time(), self._answer)
 
     def offer(self) -> bool:
-        """A place came free: take it, if a request has begun. Whether it did."""
-        if self.waits_with() and not self._transport.is_closing() and self._take_late(self._seen):
+        """A place came free: take it, if a request has begun. Whether it did. One whose client
+        has left (its reading paused, the reset or the close unseen) is closed instead: taken,
+        it would have made a live connection give way."""
+        if not self.waits_with() or self._transport.is_closing():
+            return False
+        sock = self._transport.get_extra_info("socket")
+        if sock is not None and tcp_state(sock) in (TCP_CLOSE, TCP_CLOSE_WAIT):
+            self._answered = True
+            self._transport.close()
+            return False
+        if self._take_late(self._seen):
             self.gone()
             return True
         return False

@@ -193,7 +193,12 @@ def main() -> int:
     settings = getattr(shell, "settings", None)
     limits = limits_from_settings(settings, fds)
     linger = KernelQueueLinger(limits.send_timeout_s, limits.max_connections)
-    bodies = BodyBytes(lambda: asyncio.get_running_loop().run_in_executor(None, trim_heap))
+    def trim_on_a_worker() -> None:
+        try:
+            asyncio.get_running_loop().run_in_executor(None, trim_heap)
+        except RuntimeError:  # the loop shutting down, its executor gone: no trim, no error in a callback
+            pass
+    bodies = BodyBytes(trim_on_a_worker, later=lambda delay, fn: asyncio.get_running_loop().call_later(delay, fn))
     if shell is not None:
         shell.metrics.registry.register(EdgeCollector(ConnectionStats, shell.limiter, linger, bodies))
         app = answering_ahead(app, shell)
