@@ -71,14 +71,10 @@ class Admission:
         """Do newcomers wait for a place? Then one arriving goes behind them. (The first ones,
         answered or taken since, are dropped now: left until the next tick they refused every
         newcomer meanwhile.)"""
-        while self._line:
-            conn = next(iter(self._line))
-            if conn._refused is not None and conn._refused.waits_with():
-                return True
-            self._drop(conn)
-        return False
+        return self._first(self._line) is not None
 
     def _drop(self, conn: Any) -> None:
+        self._probes.pop(conn, None)
         self._line.pop(conn, None)
         self._whole.pop(conn, None)
 
@@ -98,7 +94,6 @@ class Admission:
 
     def forget(self, conn: Any) -> None:
         self.room.gone(conn)
-        self._probes.pop(conn, None)
         self._drop(conn)
 
     def offer_place(self) -> None:
@@ -121,7 +116,7 @@ class Admission:
     def _offer_probe(self) -> bool:
         conn = self._first(self._probes)
         if conn is not None and conn._refused.offer():
-            del self._probes[conn]
+            self._drop(conn)
             return True
         return False
 
@@ -149,10 +144,7 @@ class Admission:
             conn = next(iter(queue))
             if conn._refused is not None and conn._refused.waits_with():
                 return conn
-            if queue is self._probes:
-                del queue[conn]
-            else:
-                self._drop(conn)
+            self._drop(conn)
         return None
 
     def _arm(self) -> None:

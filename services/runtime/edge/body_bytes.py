@@ -42,7 +42,7 @@ class BodyBytes:
 
     def let_go(self, n: int) -> None:
         self.held -= n
-        if not (self.peak >= self.burst_bytes and self.held * 10 <= self.peak):
+        if not self._burst_over():
             return
         wait = self._trimmed_at + MIN_INTERVAL_S - self.clock()
         if wait <= 0:
@@ -53,8 +53,12 @@ class BodyBytes:
 
     def _trim_if_over(self) -> None:
         self._put_off = False
-        if self.peak >= self.burst_bytes and self.held * 10 <= self.peak:
+        if self._burst_over():
             self._trim()
+
+    def _burst_over(self) -> bool:
+        """The bodies read reached the burst size and fell to a tenth of their peak."""
+        return self.peak >= self.burst_bytes and self.held * 10 <= self.peak
 
     def _trim(self) -> None:
         self.peak = self.held

@@ -268,7 +268,7 @@ class RefusedNewcomer:
     one is answered and closed at once."""
 
     __slots__ = ("_loop", "_transport", "_limit", "_timer", "_counted", "_seen", "_take_late", "_answered",
-                 "_answer_probe", "_since", "_due")
+                 "_answer_probe", "_since", "_due", "_kind")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport, limit: int,
                  take_late: Callable[[bytes], bool] | None = None, pace_s: float | None = None,
@@ -278,6 +278,7 @@ class RefusedNewcomer:
         self._timer: asyncio.TimerHandle | None = None
         self._counted = False
         self._seen = b""
+        self._kind = 0  # request_kind of what it sent, or BEGUN (0: nothing yet)
         self._take_late = take_late
         self._answer_probe = answer_probe  # a whole GET /healthz is answered here, needing no place
         self._answered = False
@@ -321,9 +322,10 @@ class RefusedNewcomer:
         if self._answered or self._take_late is None:
             return
         self._seen += data
+        self._kind = request_kind(self._seen) or BEGUN  # once here, not at each look at the line
         if len(self._seen) >= READ_AT_ONCE_BYTES:  # not a probe: the rest waits in the socket
             self._transport.pause_reading()
-        if self._answer_probe is not None and whole_request(self._seen):
+        if self._answer_probe is not None and self._kind != BEGUN:
             reply = self._answer_probe(self._seen)
             if reply is not None:
                 self._write_and_linger(reply)
@@ -331,9 +333,7 @@ class RefusedNewcomer:
     def waits_with(self) -> int:
         """What it sent, while it waits for its 503: request_kind of it, or BEGUN for a request
         begun (0 once answered, or when it sent nothing)."""
-        if self._answered or self._take_late is None or not self._seen:
-            return 0
-        return request_kind(self._seen) or BEGUN
+        return 0 if self._answered or self._take_late is None else self._kind
 
     def wait_in_line(self, wait_s: float) -> None:
         """Its request has begun: its 503 waits until ``wait_s`` after it was accepted, if that
