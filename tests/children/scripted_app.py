@@ -19,6 +19,7 @@ an item's pixels are its picture's).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
@@ -164,6 +165,27 @@ def create_app(settings: dict[str, Any]) -> FastAPI:
         async def block(s: float = 1.0):
             time.sleep(s)  # deliberately stalls the event loop: /healthz must notice
             return {"blocked": s}
+
+        ran: list[float] = []
+
+        @app.get("/long_turn")
+        async def long_turn(n: int = 60, ms: float = 1.0):
+            """n callbacks of the next loop turn, each keeping the loop ms (deliberately): a turn
+            of n x ms; /long_turn/ran says when each ended (CLOCK_MONOTONIC, as other processes')."""
+            ran.clear()
+
+            def busy() -> None:
+                end = time.monotonic() + ms / 1000
+                while time.monotonic() < end:
+                    pass
+                ran.append(time.monotonic())
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.05, lambda: [loop.call_soon(busy) for _ in range(n)])
+            return {"scheduled": n}
+
+        @app.get("/long_turn/ran")
+        async def long_turn_ran():
+            return {"ran": ran}
 
         @app.post("/release")
         async def release():

@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from common.accepting import accept_one
 from services.runtime.edge.connection_limits import ConnectionStats
 from services.runtime.edge.door import CLOSED_PER_TURN, SETUPS_PER_TURN, Door
 
@@ -265,3 +266,87 @@ def test_a_real_service_runs_its_event_loop_ahead_of_other_processes_where_allow
         main = os.getpriority(os.PRIO_PROCESS, svc.proc.pid)  # the main thread: its id is the pid
         mine = os.getpriority(os.PRIO_PROCESS, 0)
         assert main == (LOOP_NICENESS if _can_take(LOOP_NICENESS) and mine > LOOP_NICENESS else mine), main
+
+
+def busy_for(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def test_a_probe_arriving_during_a_long_turn_is_answered_within_it(door):
+    """A turn of 100 callbacks of 1 ms each (the loop's queue made a TurnLane): a probe that
+    connects during the 10th is answered a few callbacks later, not after the 100th (asyncio
+    polls its sockets once a turn)."""
+    from services.runtime.edge import turn_lane
+    d, port, clients = door
+    assert turn_lane.install(d.loop, d.look)
+    ran: list[int] = []
+    answered_after: list[int] = []
+
+    def answer(request: bytes) -> bytes | None:
+        answered_after.append(len(ran))
+        return probe_answer(request)
+    d.probe_answer = answer
+
+    def callback(i: int) -> None:
+        if i == 10:
+            connect(port, clients, PROBE)
+        busy_for(0.001)
+        ran.append(i)
+    for i in range(100):
+        d.loop.call_soon(callback, i)
+    turns(d, 1)
+    assert ran == list(range(100))  # one turn, in order
+    assert len(answered_after) == 1 and answered_after[0] <= 16, answered_after
+    assert clients[0].recv(100).startswith(b"HTTP/1.1 200")
+
+
+def test_a_listener_whose_accepting_is_paused_is_not_looked_at_between_callbacks(door, monkeypatch):
+    """Out of descriptors the door pauses a listener for RETRY_S: the looks between callbacks
+    leave it alone until then (each would try, and fail, again)."""
+    from services.runtime.edge import door as door_module
+    d, port, clients = door
+    tries = [0]
+
+    def out_of_descriptors(listener):
+        tries[0] += 1
+        raise OSError(24, "Too many open files")
+    monkeypatch.setattr(door_module, "accept_one", out_of_descriptors)
+    connect(port, clients, PROBE)
+    time.sleep(0.05)
+    turns(d, 1)
+    assert tries[0] == 1
+    for _ in range(20):
+        d.look()
+    assert tries[0] == 1
+    monkeypatch.setattr(door_module, "accept_one", accept_one)
+    time.sleep(door_module.RETRY_S + 0.02)
+    d.look()
+    assert clients[0].recv(100).startswith(b"HTTP/1.1 200")
+
+
+def test_a_real_service_answers_a_probe_in_the_middle_of_a_long_turn(tmp_path):
+    """The service process's loop looks at its door between callbacks: a probe sent in the
+    middle of a 200 ms turn (200 callbacks of 1 ms, scheduled by the test app) is answered
+    before the turn ends."""
+    from tests.service_harness import ServiceProcess
+
+    with ServiceProcess("tests.children.scripted_app:create_app", {}, tmp_path) as svc:
+        port = int(svc.url.rsplit(":", 1)[1])
+        clients: list[socket.socket] = []
+        try:
+            assert httpx.get(svc.url + "/long_turn?n=200&ms=1", timeout=30).status_code == 200
+            time.sleep(0.15)  # the turn runs from about 50 ms to 250 ms from the answer
+            sent = time.monotonic()
+            probe = connect(port, clients, PROBE)
+            answer = probe.recv(4096)
+            answered = time.monotonic()
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+            ran = httpx.get(svc.url + "/long_turn/ran", timeout=30).json()["ran"]
+        finally:
+            for c in clients:
+                c.close()
+    assert len(ran) == 200
+    assert ran[0] < sent < ran[-1], "the probe was meant to arrive during the turn"
+    assert answered < ran[-1], (answered - sent, ran[-1] - sent)

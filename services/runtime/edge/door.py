@@ -19,12 +19,15 @@ turn, as asyncio does):
   MAX_WAITING of them queued, accepting stops until the queue goes down (the rest wait in
   the kernel's queue for the room's decision, as before: its overflow, its probe reserve).
   A queued one is looked at again before it is set up: its client may have left meanwhile.
+The listeners are also looked at between the callbacks of a long turn (look, turn_lane), so a
+probe does not wait for the whole turn.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import select
 import socket
 from collections import deque
 from collections.abc import Callable
@@ -62,6 +65,10 @@ class Door:
         self._closed: deque[tuple[socket.socket, Callable]] = deque()  # their clients closed their side
         self._draining = False
         self._setups: set[asyncio.Task] = set()
+        # for looking between the callbacks of a long turn (turn_lane)
+        self._poll = select.poll()
+        self._by_fd: dict[int, tuple[socket.socket, Callable]] = {}
+        self._paused_until: dict[int, float] = {}
 
     def open(self, servers: list[asyncio.AbstractServer]) -> bool:
         """Take over accepting from `servers`; False (asyncio keeps it) where a server does not
@@ -76,14 +83,28 @@ class Door:
                 self.loop.remove_reader(bound.fileno())
                 self._listeners.append(listener)
                 self.loop.add_reader(listener.fileno(), self._accept, listener, factory)
+                self._poll.register(listener.fileno(), select.POLLIN)
+                self._by_fd[listener.fileno()] = (listener, factory)
         return True
+
+    def look(self) -> None:
+        """Connections waiting on the listeners taken now (TurnLane calls this between the
+        callbacks of a long turn), but for a listener whose accepting is paused."""
+        if not self._by_fd:
+            return
+        for fd, _ in self._poll.poll(0):
+            taken = self._by_fd.get(fd)
+            if taken is not None and self.loop.time() >= self._paused_until.get(fd, 0.0):
+                self._accept(*taken)
 
     def close(self) -> None:
         """Accept no more (the servers close their own sockets); those not set up yet are closed."""
         for listener in self._listeners:
             self.loop.remove_reader(listener.fileno())
+            self._poll.unregister(listener.fileno())
             listener.close()
         self._listeners = []
+        self._by_fd.clear()
         for queue in (self._waiting, self._closed):
             while queue:
                 queue.popleft()[0].close()
@@ -104,6 +125,7 @@ class Door:
                     self._warned_at = self.loop.time()
                     log.warning("service port: cannot accept (%s); accepting again in %.1f s", exc, RETRY_S)
                 pause(self.loop, listener, self._accept, listener, factory)
+                self._paused_until[listener.fileno()] = self.loop.time() + RETRY_S
                 break
             if conn is None:
                 break

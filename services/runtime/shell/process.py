@@ -179,6 +179,7 @@ def main() -> int:
 
     from common.hostmemory import trim_heap
     from services.runtime.device.threads import raise_loop_priority
+    from services.runtime.edge import turn_lane
     from services.runtime.edge.auth_failures import AuthFailureGate, FailureLimiter
     from services.runtime.edge.body_bytes import BodyBytes
     from services.runtime.edge.connection_limits import limits_from_settings
@@ -233,6 +234,7 @@ def main() -> int:
             # (over TLS the door would hand on connections without the server's context)
             if self.started and not config.ssl and door.open(self.servers):
                 self.door = door
+                turn_lane.install(asyncio.get_running_loop(), door.look)  # probes between a long turn's callbacks
 
         def handle_exit(self, sig, frame):  # readiness goes 503 the moment the drain starts
             if not self.started and not self.should_exit:
