@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 import traceback
@@ -156,9 +157,14 @@ def main(argv: list[str] | None = None) -> int:
                and not any(n.startswith(s) for s in args.skip)]
     if args.repeat > 1:
         attacks = [(f"{n} #{k + 1}", f) for k in range(args.repeat) for n, f in attacks]
-    u = Unit(limit=int(args.limit_gib * GIB)).start()
+    def stopped(signum, frame):  # killed or timed out: the finally below still stops the unit and its probers
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, stopped)
+    u = Unit(limit=int(args.limit_gib * GIB))
     rows: list[dict] = []
+    limits: dict = {}
     try:
+        u.start()
         limits = budgets(u)
         print(f"unit ready in {u.ready_s:.0f} s; ports {u.ports}, probe port {u.health_port}; budgets {limits}",
               flush=True)

@@ -55,8 +55,9 @@ NOTES: dict[str, str] = {
                                "0.9; the default config gives img2img 0.5 and detect 0.2 "
                                "([cost-model.md](cost-model.md))",
     "service.settings": "its keys are below; `onecard check` validates it too",
-    "runtime.max_connections": "the code is `too_many_connections`; a refusal is answered after 0.5-1 s and "
-                               "lingers at most 1 s; the soft "
+    "runtime.max_connections": "the code is `too_many_connections`; a newcomer whose request has begun waits "
+                               "in line first (`connection_queue_timeout_s`); a refusal is answered after "
+                               "0.5-1 s and lingers at most 1 s; the soft "
                                "`RLIMIT_NOFILE` is raised to the hard limit at start and the cap lowered to fit "
                                "([limits.md](limits.md))",
     "runtime.header_timeout_s": "counted from the connection for the first request, from its first byte for a "
