@@ -30,13 +30,16 @@ def accept_one(listener: socket.socket) -> socket.socket | None:
     return conn
 
 
-def pause(loop: asyncio.AbstractEventLoop, listener: socket.socket, reader: Callable[..., Any], *args: Any) -> None:
+def pause(loop: asyncio.AbstractEventLoop, listener: socket.socket, reader: Callable[..., Any], *args: Any,
+          resumed: Callable[[], None] | None = None) -> None:
     """Out of descriptors the listener stays readable: asked again at every turn, the loop
     would spin on it (24 745 calls in 0.3 s). Its reader comes off for RETRY_S, then back,
-    unless the listener was closed meanwhile."""
+    unless the listener was closed meanwhile; `resumed` is called then either way."""
     loop.remove_reader(listener.fileno())
 
     def resume() -> None:
+        if resumed is not None:
+            resumed()
         if listener.fileno() >= 0:
             loop.add_reader(listener.fileno(), reader, *args)
     loop.call_later(RETRY_S, resume)

@@ -302,11 +302,14 @@ def test_a_probe_arriving_during_a_long_turn_is_answered_within_it(door):
     assert clients[0].recv(100).startswith(b"HTTP/1.1 200")
 
 
-def test_a_listener_whose_accepting_is_paused_is_not_looked_at_between_callbacks(door, monkeypatch):
+def test_a_listener_whose_accepting_is_paused_is_not_looked_at_until_it_resumes(door, monkeypatch):
     """Out of descriptors the door pauses a listener for RETRY_S: the looks between callbacks
-    leave it alone until then (each would try, and fail, again)."""
+    leave it alone until its resume has run, even in a turn longer than RETRY_S (each would
+    try, fail, and pause it again with a second resume pending)."""
     from services.runtime.edge import door as door_module
+    from services.runtime.edge import turn_lane
     d, port, clients = door
+    assert turn_lane.install(d.loop, d.look)
     tries = [0]
 
     def out_of_descriptors(listener):
@@ -317,13 +320,37 @@ def test_a_listener_whose_accepting_is_paused_is_not_looked_at_between_callbacks
     time.sleep(0.05)
     turns(d, 1)
     assert tries[0] == 1
-    for _ in range(20):
-        d.look()
+    for _ in range(150):  # a turn of 150 ms, past RETRY_S: its looks leave the listener alone
+        d.loop.call_soon(busy_for, 0.001)
+    turns(d, 1)
     assert tries[0] == 1
     monkeypatch.setattr(door_module, "accept_one", accept_one)
-    time.sleep(door_module.RETRY_S + 0.02)
-    d.look()
+    time.sleep(door_module.RETRY_S)
+    turns(d, 2)  # the resume, then the accept
     assert clients[0].recv(100).startswith(b"HTTP/1.1 200")
+
+
+def test_looks_between_callbacks_accept_but_set_ups_stay_a_few_a_turn(door):
+    """Connections accepted between the callbacks of a long turn are set up from the queue,
+    SETUPS_PER_TURN a turn, as those accepted at a turn's start (a look that set them up
+    itself started 16 at each look: 240 in one turn here)."""
+    import collections
+
+    from services.runtime.edge import turn_lane
+    d, port, clients = door
+    assert turn_lane.install(d.loop, d.look)
+
+    def callback(i: int) -> None:
+        if i % 2 == 0:
+            for _ in range(5):
+                connect(port, clients, b"GET /w HTTP/1.1\r\nHost: x\r\n\r\n")
+        busy_for(0.001)
+    for i in range(100):
+        d.loop.call_soon(callback, i)
+    turns(d, 24)
+    per_turn = collections.Counter(r.turn for r in Recorder.made)
+    assert len(Recorder.made) == 250
+    assert max(per_turn.values()) <= SETUPS_PER_TURN, per_turn
 
 
 def test_a_real_service_answers_a_probe_in_the_middle_of_a_long_turn(tmp_path):

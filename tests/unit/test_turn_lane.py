@@ -91,3 +91,19 @@ def test_a_loop_without_asyncio_s_ready_deque_is_left_as_it_is():
     assert not install(other, lambda: None)
     assert other._ready == [1, 2]
     assert not install(object(), lambda: None)
+
+
+def test_a_callback_handed_to_the_old_queue_while_it_is_replaced_is_moved_not_lost():
+    """call_soon_threadsafe from another thread appends to whichever deque it found: one
+    appended to the old queue just before the swap still runs."""
+    class RacingLoop:
+        def __init__(self):
+            self.__dict__["_ready"] = deque(["first"])
+
+        def __setattr__(self, name, value):
+            if name == "_ready":  # another thread's append, just before the new queue is in place
+                self.__dict__["_ready"].append("handed over meanwhile")
+            self.__dict__[name] = value
+    loop = RacingLoop()
+    assert install(loop, lambda: None)
+    assert type(loop._ready) is TurnLane and list(loop._ready) == ["first", "handed over meanwhile"]

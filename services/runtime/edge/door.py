@@ -49,6 +49,7 @@ LOOKS_PER_TURN = 128       # queued ones looked at again in a turn (a few us eac
 MAX_WAITING = 512          # accepted and waiting to be set up; beyond, newcomers wait in the kernel's queue
 CLOSED_QUEUE = 64          # half requests whose client closed its side, waiting to be set up (for their 400)
 CLOSED_PER_TURN = 4        # of those, set up in a turn with no other waiting
+LOOK_BATCH = 64            # accepted at one look between a turn's callbacks (turn_lane), each 2 ms at most
 
 
 class Door:
@@ -68,7 +69,7 @@ class Door:
         # for looking between the callbacks of a long turn (turn_lane)
         self._poll = select.poll()
         self._by_fd: dict[int, tuple[socket.socket, Callable]] = {}
-        self._paused_until: dict[int, float] = {}
+        self._paused: set[int] = set()  # out of descriptors: until their one resume timer has run
 
     def open(self, servers: list[asyncio.AbstractServer]) -> bool:
         """Take over accepting from `servers`; False (asyncio keeps it) where a server does not
@@ -89,13 +90,17 @@ class Door:
 
     def look(self) -> None:
         """Connections waiting on the listeners taken now (TurnLane calls this between the
-        callbacks of a long turn), but for a listener whose accepting is paused."""
+        callbacks of a long turn), LOOK_BATCH at most, but for a listener whose accepting is
+        paused. Only accepted here: their set-ups stay SETUPS_PER_TURN a turn, from the queue."""
         if not self._by_fd:
             return
         for fd, _ in self._poll.poll(0):
             taken = self._by_fd.get(fd)
-            if taken is not None and self.loop.time() >= self._paused_until.get(fd, 0.0):
-                self._accept(*taken)
+            if taken is not None and fd not in self._paused:
+                self._accept(*taken, batch=LOOK_BATCH, drain=False)
+        if self.queued and not self._draining:
+            self._draining = True
+            self.loop.call_soon(self._drain)
 
     def close(self) -> None:
         """Accept no more (the servers close their own sockets); those not set up yet are closed."""
@@ -113,8 +118,9 @@ class Door:
     def queued(self) -> int:
         return len(self._waiting) + len(self._closed)
 
-    def _accept(self, listener: socket.socket, factory: Callable[[], asyncio.Protocol]) -> None:
-        for _ in range(self.batch):
+    def _accept(self, listener: socket.socket, factory: Callable[[], asyncio.Protocol], batch: int = 0,
+                drain: bool = True) -> None:
+        for _ in range(batch or self.batch):
             if len(self._waiting) >= self.max_waiting:
                 break  # the rest wait in the kernel's queue, for the room to decide on (its overflow,
                 #        its probe reserve, its paced refusals), as they did before the door
@@ -124,13 +130,15 @@ class Door:
                 if self.loop.time() - self._warned_at >= WARN_EVERY_S:
                     self._warned_at = self.loop.time()
                     log.warning("service port: cannot accept (%s); accepting again in %.1f s", exc, RETRY_S)
-                pause(self.loop, listener, self._accept, listener, factory)
-                self._paused_until[listener.fileno()] = self.loop.time() + RETRY_S
+                fd = listener.fileno()
+                self._paused.add(fd)
+                pause(self.loop, listener, self._accept, listener, factory,
+                      resumed=lambda fd=fd: self._paused.discard(fd))
                 break
             if conn is None:
                 break
             self._take(conn, factory)
-        if self.queued and not self._draining:
+        if drain and self.queued and not self._draining:
             self._drain()
 
     def _take(self, conn: socket.socket, factory: Callable[[], asyncio.Protocol]) -> None:

@@ -14,11 +14,17 @@ door's poll of its listeners, no wait) when LOOK_EVERY_S has passed since it las
 probe waits for at most the callback that runs when it arrives, plus LOOK_EVERY_S, rather
 than for the turn. Only the accepting moves forward (a whole GET /healthz answered there,
 the others queued for their set-up as before, SETUPS_PER_TURN a turn): the rest of the
-turn's work keeps its order. A quiet loop has short turns and barely looks (at most once
-per LOOK_EVERY_S of callbacks, a poll of a few microseconds).
+turn's work keeps its order. A look takes LOOK_BATCH connections at most. A quiet loop
+barely looks: at most once per LOOK_EVERY_S (the first callback after an idle wait does),
+a poll of a few microseconds.
+
+A long turn is a loop that runs (each of its callbacks is progress): a probe answered in
+the middle of one says so, as it would at the turn's end. A callback that does not return
+(a blocking call, a stuck loop) still stops every look, and liveness sees it as before.
 
 Installed only on asyncio's own loop (its `_ready` deque, which its `_run_once` pops each
-callback from); another loop (uvloop) accepts once a turn as before.
+callback from); another loop (uvloop) accepts once a turn as before, and the service says so
+in its log. Each callback costs about 0.5 us more (popleft in Python).
 """
 
 from __future__ import annotations
@@ -65,7 +71,14 @@ def install(loop: Any, look: Callable[[], None], every_s: float = LOOK_EVERY_S) 
         return True
     if type(ready) is not deque:
         return False
-    # the callbacks of this turn not run yet are copied over, in their order: _run_once pops
-    # the next one from loop._ready, whichever deque that is by then
-    loop._ready = TurnLane(ready, look, every_s)
+    # the callbacks of this turn not run yet move over, in their order: _run_once pops the next
+    # one from loop._ready, whichever deque that is by then. Best installed before other threads
+    # hand the loop callbacks (call_soon_threadsafe appends to whichever deque it found); one
+    # appended to the old deque meanwhile is moved after the swap, not lost
+    lane = TurnLane((), look, every_s)
+    while ready:
+        lane.append(ready.popleft())
+    loop._ready = lane
+    while ready:  # what came meanwhile
+        lane.append(ready.popleft())
     return True

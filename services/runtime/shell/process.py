@@ -228,13 +228,21 @@ def main() -> int:
         drained = False
         door: Door | None = None
 
+        async def serve(self, sockets=None) -> None:
+            # the loop's queue of callbacks is replaced before any thread of the app's could hand it one
+            turn_lane.install(asyncio.get_running_loop(), lambda: None)
+            await super().serve(sockets)
+
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             door = Door(asyncio.get_running_loop(), ConnectionStats, door_answer)
             # (over TLS the door would hand on connections without the server's context)
             if self.started and not config.ssl and door.open(self.servers):
                 self.door = door
-                turn_lane.install(asyncio.get_running_loop(), door.look)  # probes between a long turn's callbacks
+                # probes between a long turn's callbacks (the lane itself went in before the app's threads started)
+                if not turn_lane.install(asyncio.get_running_loop(), door.look):
+                    print(f"{name}: this event loop is not asyncio's own; probes wait for each turn's end",
+                          file=sys.stderr)
 
         def handle_exit(self, sig, frame):  # readiness goes 503 the moment the drain starts
             if not self.started and not self.should_exit:
