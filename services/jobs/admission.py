@@ -8,16 +8,30 @@ does not fit waits its turn (first come, first served: a small one does not over
 one that came first) while its body waits in the client's socket, for at most
 ``submit_wait_s``; then 503 ``busy``. A burst of big submits is answered one by one
 (each its own 202 or 4xx) instead of mostly 503s.
+
+A submit takes its share once its body has begun (services.runtime.edge.body.body_begun):
+200 clients reconnecting that asked for 100 Continue and sent nothing held the whole bound,
+5 s each (the body rate's grace), and legitimate submits waited 27 s behind them (httpx's
+default 5 s timeout: every one failed); now they hold a connection and no share (helper-58).
+And it keeps its share only while its body arrives: a share whose body has brought nothing
+for STALLED_S (counted from its last bytes, the wait in line included) gets 408
+``body_stalled`` as soon as another submit waits for room, and gives its share back
+(ArrivingBody). 200 clients that sent one byte of a 3 MB submit and stopped kept a
+legitimate submit waiting 4.5 s in line behind them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Awaitable, Callable
 
+from services.runtime.edge.json_items import CLOSE
 from services.runtime.errors import ApiError
 
 HELD_PER_BODY_BYTE = 3
+STALLED_S = 1.0   # a share's body that brings nothing this long while others wait is cut
+LOOK_S = 0.25     # how often a body waited for looks whether others wait
 
 
 class SubmitBudget:
@@ -31,6 +45,9 @@ class SubmitBudget:
     @property
     def waiting(self) -> int:
         return sum(1 for _, future in self._line if not future.done())
+
+    def anyone_waiting(self) -> bool:
+        return any(not future.done() for _, future in self._line)
 
     def cost(self, content_length: str | None, max_body_bytes: int) -> int:
         declared = int(content_length) if content_length is not None and content_length.strip().isdigit() else None
@@ -111,3 +128,43 @@ class StreamSlots(SubmitBudget):
         return ApiError(503, "busy", f"{self.used} result pieces are being read (max_result_streams) and no slot came "
                         f"free for {self.wait_s:g} s (result_stream_wait_s); retry shortly",
                         {"Retry-After": str(self.retry_after_s or 1)})
+
+
+class ArrivingBody:
+    """The receive of a request holding a share of `budget`, starting with the messages that
+    `arrived` before: once the body has brought nothing for STALLED_S since `last` (when its
+    last bytes came), a body message waited for while others wait for room raises 408
+    ``body_stalled`` (the share goes back as the request ends). Once the body is whole,
+    receive is the request's own."""
+
+    def __init__(self, receive: Callable[[], Awaitable[dict]], budget: SubmitBudget, arrived: list[dict],
+                 last: float, stalled_s: float = STALLED_S, look_s: float = LOOK_S):
+        self.inner, self.budget, self.last, self.stalled_s, self.look_s = receive, budget, last, stalled_s, look_s
+        self.arrived = list(reversed(arrived))  # read before the share was taken (body_begun): given first
+        self.whole = False
+
+    async def __call__(self) -> dict:
+        if self.arrived:
+            message = self.arrived.pop()
+            self.whole = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+        if self.whole:
+            return await self.inner()
+        loop = asyncio.get_running_loop()
+        pending = asyncio.ensure_future(self.inner())
+        try:
+            while True:
+                done, _ = await asyncio.wait((pending,), timeout=self.look_s)
+                if done:
+                    break
+                if loop.time() - self.last >= self.stalled_s and self.budget.anyone_waiting():
+                    raise ApiError(408, "body_stalled", f"the body brought nothing for {self.stalled_s:g} s while "
+                                   "other submits waited for room in submit_memory_bytes", CLOSE)
+        finally:
+            if not pending.done():
+                pending.cancel()
+        message = pending.result()
+        self.last = loop.time()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            self.whole = True
+        return message

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import time
@@ -13,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
+from services.jobs.admission import ArrivingBody
 from services.jobs.broker import IdempotencyMismatch, JobTooLarge, QueueFull, QueueUnavailable
 from services.jobs.queue_room import ClientGone
 from services.jobs.records import (
@@ -33,6 +35,8 @@ from services.jobs.results import StreamedBody, first_piece, inline_parts
 from services.jobs.service import JobsService
 from services.jobs.tracing import described, submit_span, submitted
 from services.runtime.edge.body import (
+    body_begun,
+    declared_length,
     read_body,  # 413 as soon as the size is known; a client gone mid-upload: ClientGone
 )
 from services.runtime.errors import ApiError
@@ -93,9 +97,15 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
         idem = request.headers.get("idempotency-key")
         if idem is not None and not IDEMPOTENCY_KEY_RE.fullmatch(idem):
             raise ApiError(400, "bad_idempotency_key", "Idempotency-Key: 1 to 255 visible ASCII characters")
-        # admitted against the memory bound before a byte of the body is read
+        # admitted against the memory bound once its body has begun, before the rest is read: a
+        # client that asked for 100 Continue and sent nothing (200 of them, reconnecting) held the
+        # whole bound, 5 s each, while legitimate submits waited behind them for 27 s (helper-58)
+        declared_length(request, settings.max_body_bytes)  # over the limit: 413 before any of it is read
+        arrived = await body_begun(request)
+        began = asyncio.get_running_loop().time()
         with await svc.submits.take(svc.submits.cost(request.headers.get("content-length"), settings.max_body_bytes)):
-            return await _submit(request, idem)
+            arriving = ArrivingBody(request.receive, svc.submits, arrived, last=began)
+            return await _submit(Request(request.scope, arriving), idem)
 
     async def _submit(request: Request, idem: str | None) -> Any:
         if svc.traces is None:

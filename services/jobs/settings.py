@@ -212,7 +212,9 @@ class JobsSettings(ServiceSettings):
                                       "submit when the service's dry run does not say (cost.output_bytes)")
     submit_memory_bytes: int = Field(256 * 2**20, ge=2**20, le=2**40, description="memory that submits being read "
                                      "and checked may hold together (3 x each body); beyond, a submit waits its turn "
-                                     "before its body is read")
+                                     "before its body is read. A submit takes its share once its body has begun (a "
+                                     "100 Continue first when asked for), and one whose body brings nothing for 1 s "
+                                     "gets 408 body_stalled as soon as another waits")
     submit_wait_s: float = Field(30.0, ge=0, le=600, allow_inf_nan=False, description="longest a submit waits "
                                  "for room in submit_memory_bytes (first come, first served); then 503 busy "
                                  "(0: 503 at once)")

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -185,11 +186,18 @@ def test_submits_are_admitted_against_a_memory_bound_before_their_bodies_are_rea
         start_units(u)
         held = socket.create_connection(("127.0.0.1", u.jobs.port), timeout=10)
         held.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 2000000\r\n\r\n" + b'{"service": "scripted", ')  # and nothing more
+                     b"Content-Length: 2000000\r\n\r\n" + b'{"service": "scripted", ')
+        stop_trickle = threading.Event()
+
+        def trickle() -> None:  # its body keeps arriving (slowly): it keeps its share
+            while not stop_trickle.wait(0.2):
+                held.sendall(b" ")
+        trickler = threading.Thread(target=trickle, daemon=True)
+        trickler.start()
         time.sleep(0.3)
         with socket.create_connection(("127.0.0.1", u.jobs.port), timeout=10) as s:
             s.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: 2000000\r\n\r\n")  # headers only: it waits its turn, never its body
+                      b"Content-Length: 2000000\r\n\r\n{")  # its body begun: it waits its turn for the rest
             reply = b""
             while chunk := s.recv(65536):  # the answer closes the connection: its body was never read
                 reply += chunk
@@ -199,6 +207,8 @@ def test_submits_are_admitted_against_a_memory_bound_before_their_bodies_are_rea
         submits = u.api.get("/stats").json()["jobs"]["submits"]
         assert submits["waited"] == 1 and submits["refused"] == 1  # it waited submit_wait_s for room, in vain
         assert u.api.get("/healthz").status_code == 200
+        stop_trickle.set()
+        trickler.join()
         held.close()
         held = None
         deadline = time.monotonic() + 10
@@ -210,6 +220,71 @@ def test_submits_are_admitted_against_a_memory_bound_before_their_bodies_are_rea
     finally:
         if held is not None:
             held.close()
+        u.stop()
+
+
+def test_submits_that_ask_for_100_continue_and_send_nothing_take_no_share_of_the_bound(tmp_path):
+    """Eight clients announce 2 MB submits, ask for 100 Continue and send nothing (each would
+    take the whole bound): they get their 100 and hold a connection, not the bound, and a
+    legitimate submit is answered at once; sent, their bodies are read as any other."""
+    u = Unit(tmp_path, "expect", {"scripted": (TARGET_APP, {"model": "m1", "dry_run": True,
+                                                              "max_body_bytes": 4 * 2**20})},
+             submit_memory_bytes=4 * 2**20, max_body_bytes=2 * 2**20, body_timeout_s=60, submit_wait_s=1)
+    stalled: list[socket.socket] = []
+    try:
+        start_units(u)
+        doc = {"service": "scripted", "route": WORK, "body": {"tag": "late", "pad": ""}}
+        doc["body"]["pad"] = "x" * (2_000_000 - len(json.dumps(doc)))
+        body = json.dumps(doc).encode()
+        assert len(body) == 2_000_000
+        for _ in range(8):
+            s = socket.create_connection(("127.0.0.1", u.jobs.port), timeout=10)
+            stalled.append(s)
+            s.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Expect: 100-continue\r\nContent-Length: 2000000\r\n\r\n")
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        r = u.api.post("/v1/jobs", json={"service": "scripted", "route": WORK, "body": {"tag": "legit"}})
+        assert r.status_code == 202, r.text  # (behind the first of them it waited submit_wait_s: 503 busy)
+        assert time.monotonic() - t0 < 1.0
+        assert u.api.get("/stats").json()["jobs"]["submits"]["waited"] == 0
+        for s in stalled:
+            assert s.recv(100).startswith(b"HTTP/1.1 100"), "no 100 Continue"
+        stalled[0].sendall(body)  # a late body is read as any other
+        assert stalled[0].recv(4096).startswith(b"HTTP/1.1 202")
+    finally:
+        for s in stalled:
+            s.close()
+        u.stop()
+
+
+def test_a_submit_whose_body_stops_gives_its_share_back_when_others_wait(tmp_path):
+    """A submit that took the whole bound and sent one byte of its 2 MB body, then nothing for
+    2 s, keeps its share while nobody waits, and gets 408 body_stalled as soon as another
+    submit waits for room (the body rate's 5 s grace kept it there past the other's
+    submit_wait_s: 503 busy); the other is read and queued."""
+    u = Unit(tmp_path, "stall", {"scripted": (TARGET_APP, {"model": "m1", "dry_run": True,
+                                                             "max_body_bytes": 4 * 2**20})},
+             submit_memory_bytes=4 * 2**20, max_body_bytes=2 * 2**20, body_timeout_s=60, submit_wait_s=2)
+    try:
+        start_units(u)
+        with socket.create_connection(("127.0.0.1", u.jobs.port), timeout=10) as stalled:
+            stalled.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: 2000000\r\n\r\n{")
+            time.sleep(2.0)  # alone, it keeps its share: nobody waits for it
+            t0 = time.monotonic()
+            r = u.api.post("/v1/jobs", json={"service": "scripted", "route": WORK, "body": {"tag": "behind"}})
+            waited = time.monotonic() - t0
+            reply = b""
+            while chunk := stalled.recv(65536):
+                reply += chunk
+            assert r.status_code == 202, r.text
+            assert waited < 1.0, (waited, reply)
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "body_stalled"
+        submits = u.api.get("/stats").json()["jobs"]["submits"]
+        assert submits["waited"] == 1 and submits["refused"] == 0 and submits["held_bytes"] == 0, submits
+    finally:
         u.stop()
 
 

@@ -90,6 +90,19 @@ def media_type_of(request: Request) -> str:
     return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
 
 
+def declared_length(request: Request, max_bytes: int) -> int | None:
+    """The body's Content-Length (None when it has none): 400 when it is not a number, 413
+    when it is over `max_bytes`, before a byte of the body is read."""
+    declared = request.headers.get("content-length")
+    if declared is None:
+        return None
+    if not declared.strip().isdigit():
+        raise ApiError(400, "bad_request", "invalid Content-Length")
+    if int(declared) > max_bytes:
+        raise ApiError(413, "body_too_large", f"body of {declared} bytes is over the limit of {max_bytes}", CLOSE)
+    return int(declared)
+
+
 async def read_body(request: Request, max_bytes: int, hold: Callable[[int], Awaitable[None] | None] | None = None,
                     max_json_items: int | None = None, max_json_depth: int | None = None) -> bytes:
     """The whole body, within `max_bytes`. `hold(n)` is told how much is held as the body
@@ -98,19 +111,12 @@ async def read_body(request: Request, max_bytes: int, hold: Callable[[int], Awai
     `max_json_items`, a JSON body (application/json, +json) is refused with 413
     ``json_too_complex`` at the piece that takes it past that many items (400 ``json_too_deep``
     when it nests deeper than `max_json_depth` too)."""
-    declared = request.headers.get("content-length")
-    cap = max_bytes
-    if declared is not None:
-        if not declared.strip().isdigit():
-            raise ApiError(400, "bad_request", "invalid Content-Length")
-        if int(declared) > max_bytes:
-            raise ApiError(413, "body_too_large", f"body of {declared} bytes is over the limit of {max_bytes}",
-                           CLOSE)
-        cap = int(declared)
+    declared = declared_length(request, max_bytes)
+    cap = max_bytes if declared is None else declared
     items = JsonItemCounter(max_json_items, max_json_depth) if max_json_items is not None and is_json_media(
         media_type_of(request)) else None
     held = 0
-    buf = BodyBuffer(int(declared) if declared is not None else None)
+    buf = BodyBuffer(declared)
     try:
         async for chunk in request.stream():
             if buf.size + len(chunk) > max_bytes:
@@ -126,3 +132,20 @@ async def read_body(request: Request, max_bytes: int, hold: Callable[[int], Awai
     except ClientDisconnect:  # left mid-upload (or cut at the body deadline): nobody to answer
         raise ClientGone() from None
     return await buf.take()
+
+
+async def body_begun(request: Request) -> list[dict]:
+    """The messages that brought the first bytes of `request`'s body (or said it is empty),
+    once they came; whoever reads the body next replays them first. A client that asked for
+    `100 Continue` gets it now. For what is admitted against a shared bound before its body is
+    read (jobs' submits): a client that announces a body and sends none waits here, holding a
+    connection and no share of the bound, until the edge's body deadlines close it. What
+    arrived is one read of the edge's (256 KiB at most a connection)."""
+    arrived: list[dict] = []
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        arrived.append(message)
+        if message.get("body") or not message.get("more_body", False):
+            return arrived
