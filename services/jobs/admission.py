@@ -2,8 +2,8 @@
 
 A submit holds its body, the parsed document and the body re-encoded for the service at
 once: about three times its size. Each one takes that much of ``submit_memory_bytes``
-when its headers arrive (its Content-Length, or max_body_bytes when it sends none), before
-a byte of its body is read: 200 concurrent 30 MB submits cannot hold 200 bodies. One that
+(its Content-Length, or max_body_bytes when it sends none) once its first bytes are in,
+before the rest of its body is read: 200 concurrent 30 MB submits cannot hold 200 bodies. One that
 does not fit waits its turn (first come, first served: a small one does not overtake a big
 one that came first) while its body waits in the client's socket, for at most
 ``submit_wait_s``; then 503 ``busy``. A burst of big submits is answered one by one

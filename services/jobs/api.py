@@ -40,6 +40,7 @@ from services.runtime.edge.body import (
     read_body,  # 413 as soon as the size is known; a client gone mid-upload: ClientGone
 )
 from services.runtime.errors import ApiError
+from services.runtime.errors import ClientGone as ClientLeft
 
 IDEMPOTENCY_KEY_RE = re.compile(r"[\x21-\x7e]{1,255}")  # fullmatch: no trailing newline
 SECONDS_RE = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")   # ASCII digits only: float() takes any script's
@@ -104,6 +105,10 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
         arrived = await body_begun(request)
         began = asyncio.get_running_loop().time()
         with await svc.submits.take(svc.submits.cost(request.headers.get("content-length"), settings.max_body_bytes)):
+            if not arrived[-1].get("more_body", False) and await request.is_disconnected():
+                # its whole body came before it waited in line: a client that left meanwhile would
+                # otherwise get a job made for nobody (with more to read, the read sees it leave)
+                raise ClientLeft()
             arriving = ArrivingBody(request.receive, svc.submits, arrived, last=began)
             return await _submit(Request(request.scope, arriving), idem)
 

@@ -45,7 +45,9 @@ def test_a_request_past_its_deadline_before_starting_gets_504_and_never_runs():
 
 def test_the_batch_loop_does_not_start_an_expired_job_even_before_its_waiter_notices():
     async def main():
-        sched, backend = scheduler(request_timeout_s=0.05)
+        # the stale job carries its own deadline; the blocker's is long (at 50 ms a busy machine
+        # let it expire before the batch loop took it, and it never reached the model)
+        sched, backend = scheduler(request_timeout_s=5.0)
         blocker = await hold(sched, backend)
         timing = Timing()
         timing.t0 -= 10  # arrived long ago: expired at once

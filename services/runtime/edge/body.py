@@ -140,7 +140,8 @@ async def body_begun(request: Request) -> list[dict]:
     `100 Continue` gets it now. For what is admitted against a shared bound before its body is
     read (jobs' submits): a client that announces a body and sends none waits here, holding a
     connection and no share of the bound, until the edge's body deadlines close it. What
-    arrived is one read of the edge's (256 KiB at most a connection)."""
+    arrived, and what the server reads on behind it before it pauses, is a few hundred KiB
+    at most a connection (one 256 KiB read and its 64 KiB of flow control, twice)."""
     arrived: list[dict] = []
     while True:
         message = await request.receive()
