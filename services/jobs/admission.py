@@ -46,11 +46,8 @@ class SubmitBudget:
     def waiting(self) -> int:
         return sum(1 for _, future in self._line if not future.done())
 
-    def anyone_waiting(self) -> bool:
-        return any(not future.done() for _, future in self._line)
-
-    def cost(self, content_length: str | None, max_body_bytes: int) -> int:
-        declared = int(content_length) if content_length is not None and content_length.strip().isdigit() else None
+    def cost(self, declared: int | None, max_body_bytes: int) -> int:
+        """What a body of `declared` bytes (its checked Content-Length; None: none) holds."""
         size = min(declared, max_body_bytes) if declared is not None else max_body_bytes
         return min(self.total, HELD_PER_BODY_BYTE * max(size, 1))
 
@@ -145,9 +142,7 @@ class ArrivingBody:
 
     async def __call__(self) -> dict:
         if self.arrived:
-            message = self.arrived.pop()
-            self.whole = message["type"] != "http.request" or not message.get("more_body", False)
-            return message
+            return self._taken(self.arrived.pop())
         if self.whole:
             return await self.inner()
         loop = asyncio.get_running_loop()
@@ -157,14 +152,15 @@ class ArrivingBody:
                 done, _ = await asyncio.wait((pending,), timeout=self.look_s)
                 if done:
                     break
-                if loop.time() - self.last >= self.stalled_s and self.budget.anyone_waiting():
+                if loop.time() - self.last >= self.stalled_s and self.budget.waiting:
                     raise ApiError(408, "body_stalled", f"the body brought nothing for {self.stalled_s:g} s while "
                                    "other submits waited for room in submit_memory_bytes", CLOSE)
         finally:
             if not pending.done():
                 pending.cancel()
-        message = pending.result()
         self.last = loop.time()
-        if message["type"] != "http.request" or not message.get("more_body", False):
-            self.whole = True
+        return self._taken(pending.result())
+
+    def _taken(self, message: dict) -> dict:
+        self.whole = message["type"] != "http.request" or not message.get("more_body", False)
         return message

@@ -101,10 +101,10 @@ def add_routes(app: FastAPI, svc: JobsService) -> None:
         # admitted against the memory bound once its body has begun, before the rest is read: a
         # client that asked for 100 Continue and sent nothing (200 of them, reconnecting) held the
         # whole bound, 5 s each, while legitimate submits waited behind them for 27 s (helper-58)
-        declared_length(request, settings.max_body_bytes)  # over the limit: 413 before any of it is read
+        declared = declared_length(request, settings.max_body_bytes)  # over the limit: 413 before any is read
         arrived = await body_begun(request)
         began = asyncio.get_running_loop().time()
-        with await svc.submits.take(svc.submits.cost(request.headers.get("content-length"), settings.max_body_bytes)):
+        with await svc.submits.take(svc.submits.cost(declared, settings.max_body_bytes)):
             if not arrived[-1].get("more_body", False) and await request.is_disconnected():
                 # its whole body came before it waited in line: a client that left meanwhile would
                 # otherwise get a job made for nobody (with more to read, the read sees it leave)

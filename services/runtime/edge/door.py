@@ -61,14 +61,12 @@ class Door:
         self.loop, self.stats, self.probe_answer, self.batch = loop, stats, probe_answer, batch
         self.max_waiting = max_waiting
         self._warned_at = float("-inf")
-        self._listeners: list[socket.socket] = []
         self._waiting: deque[tuple[socket.socket, Callable]] = deque()
         self._closed: deque[tuple[socket.socket, Callable]] = deque()  # their clients closed their side
         self._draining = False
         self._setups: set[asyncio.Task] = set()
-        # for looking between the callbacks of a long turn (turn_lane)
-        self._poll = select.poll()
-        self._by_fd: dict[int, tuple[socket.socket, Callable]] = {}
+        self._listeners: dict[int, tuple[socket.socket, Callable]] = {}  # by descriptor, with their factory
+        self._poll = select.poll()  # the listeners, for looking between a long turn's callbacks (turn_lane)
         self._paused: set[int] = set()  # out of descriptors: until their one resume timer has run
 
     def open(self, servers: list[asyncio.AbstractServer]) -> bool:
@@ -82,20 +80,19 @@ class Door:
                 listener = bound.dup()  # the same socket: asyncio's reader comes off it, this one goes on
                 listener.setblocking(False)
                 self.loop.remove_reader(bound.fileno())
-                self._listeners.append(listener)
+                self._listeners[listener.fileno()] = (listener, factory)
                 self.loop.add_reader(listener.fileno(), self._accept, listener, factory)
                 self._poll.register(listener.fileno(), select.POLLIN)
-                self._by_fd[listener.fileno()] = (listener, factory)
         return True
 
     def look(self) -> None:
         """Connections waiting on the listeners taken now (TurnLane calls this between the
         callbacks of a long turn), LOOK_BATCH at most, but for a listener whose accepting is
         paused. Only accepted here: their set-ups stay SETUPS_PER_TURN a turn, from the queue."""
-        if not self._by_fd:
+        if not self._listeners:
             return
         for fd, _ in self._poll.poll(0):
-            taken = self._by_fd.get(fd)
+            taken = self._listeners.get(fd)
             if taken is not None and fd not in self._paused:
                 self._accept(*taken, batch=LOOK_BATCH, drain=False)
         if self.queued and not self._draining:
@@ -104,12 +101,11 @@ class Door:
 
     def close(self) -> None:
         """Accept no more (the servers close their own sockets); those not set up yet are closed."""
-        for listener in self._listeners:
-            self.loop.remove_reader(listener.fileno())
-            self._poll.unregister(listener.fileno())
+        for fd, (listener, _) in self._listeners.items():
+            self.loop.remove_reader(fd)
+            self._poll.unregister(fd)
             listener.close()
-        self._listeners = []
-        self._by_fd.clear()
+        self._listeners.clear()
         for queue in (self._waiting, self._closed):
             while queue:
                 queue.popleft()[0].close()
@@ -118,9 +114,9 @@ class Door:
     def queued(self) -> int:
         return len(self._waiting) + len(self._closed)
 
-    def _accept(self, listener: socket.socket, factory: Callable[[], asyncio.Protocol], batch: int = 0,
+    def _accept(self, listener: socket.socket, factory: Callable[[], asyncio.Protocol], batch: int | None = None,
                 drain: bool = True) -> None:
-        for _ in range(batch or self.batch):
+        for _ in range(self.batch if batch is None else batch):
             if len(self._waiting) >= self.max_waiting:
                 break  # the rest wait in the kernel's queue, for the room to decide on (its overflow,
                 #        its probe reserve, its paced refusals), as they did before the door
